@@ -1,0 +1,157 @@
+"""Build a model from an HF directory: config, dtype, device, and safetensors weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from atom_models.registry import model_class_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint tensors that hold nothing the model needs (recomputed at build time).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not an HF model directory")
+    return AutoConfig.from_pretrained(path)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype from config.json (float32 if it names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        return getattr(torch, found) if isinstance(found, str) else found
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@contextmanager
+def default_dtype_and_device(dtype: torch.dtype, device: torch.device):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: PretrainedConfig, dtype: torch.dtype, device: torch.device, quant: str | None = None
+) -> nn.Module:
+    """The model with uninitialised weights, allocated directly on `device`."""
+    with default_dtype_and_device(dtype, device):
+        return model_class_for(config)(config, quant=quant).eval()
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise WeightLoadError(f"{index.name} names {file.name}, which is missing from {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iterate_checkpoint(model_dir: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    files = checkpoint_files(model_dir)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(list(h.keys())) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for handle in handles:
+            for name in handle.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def parameter_name(model: nn.Module, checkpoint_name: str) -> tuple[str, str | int | None]:
+    """Map a checkpoint tensor name onto (our parameter name, shard id)."""
+    for source, (target, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{source}." in checkpoint_name:
+            return checkpoint_name.replace(f".{source}.", f".{target}."), shard_id
+    return checkpoint_name, None
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter; fail naming the first tensor that does not fit."""
+    model_dir = Path(model_dir)
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    expected = set()
+    for name, param in params.items():
+        if getattr(param, "weight_loader", None) is not None:
+            shard_ids = getattr(param, "shard_ids", None) or [None]
+            expected.update((name, shard_id) for shard_id in shard_ids)
+    loaded = set()
+    for checkpoint_name, tensor in iterate_checkpoint(model_dir, progress):
+        if checkpoint_name.endswith(IGNORED_SUFFIXES) or (tied and checkpoint_name == "lm_head.weight"):
+            continue
+        name, shard_id = parameter_name(model, checkpoint_name)
+        if (name, shard_id) not in expected:
+            raise WeightLoadError(
+                f"unexpected tensor {checkpoint_name} {tuple(tensor.shape)} in the checkpoint: "
+                f"{type(model).__name__} has no parameter for it"
+            )
+        param = params[name]
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ValueError as error:
+            raise WeightLoadError(f"tensor {checkpoint_name}: {error}") from None
+        loaded.add((name, shard_id))
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        shown = ", ".join(f"{n}[{s}]" if s is not None else n for n, s in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise WeightLoadError(f"the checkpoint in {model_dir} lacks {shown}{more}")
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    quant: str | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    config = load_config(model_dir)
+    model = build_model(config, resolve_dtype(dtype, config), torch.device(device), quant)
+    load_weights(model, model_dir, progress)
+    return model
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarking without a checkpoint (ATOM's --load_dummy)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dtype.is_floating_point and param.element_size() >= 2:
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, 0.02, generator=generator)
+        else:  # fp8 weights: quantize random values through their loader
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, torch.randn(param.shape, generator=generator, device=param.device) * 0.02)

@@ -1,0 +1,27 @@
+"""The ops library: every op models are written in, as `torch.ops.atom.*` custom ops.
+
+Importing this package registers the ops. Each has a fake implementation (so it traces),
+a plain-torch reference (the ground truth), and Triton/AITER implementations where a
+GPU backend provides one (see `backend`).
+"""
+
+from atom_models.ops import activation, attention, norm, quant, rotary  # noqa: F401
+from atom_models.ops.attention import KV_CACHE_OPS
+from atom_models.ops.backend import (
+    available_backends,
+    default_backend,
+    get_backend,
+    register_impl,
+    set_backend,
+    use_backend,
+)
+
+__all__ = [
+    "KV_CACHE_OPS",
+    "available_backends",
+    "default_backend",
+    "get_backend",
+    "register_impl",
+    "set_backend",
+    "use_backend",
+]

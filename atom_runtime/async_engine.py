@@ -1,0 +1,285 @@
+"""The asyncio engine: requests in, streamed outputs out.
+
+The engine core steps in its own thread and sees only token ids. This side, on the event
+loop (uvloop under the server and `LLM`), tokenizes prompts, detokenizes new tokens,
+matches stop strings and feeds each request's output queue, so HTTP and text work never
+sit between two GPU steps. Commands to the core (add, abort) go through a thread-safe
+queue; updates come back with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from atom_runtime.detokenizer import IncrementalDetokenizer
+from atom_runtime.engine_core import EngineCore, TokenUpdate
+from atom_runtime.metrics import Metrics
+from atom_runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Completion:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.releasable(self.finish_reason is not None),
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    queue: asyncio.Queue
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [c.output() for c in self.completions],
+            finished=self.finished,
+            metrics=self.metrics,
+        )
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, tokenizer: PreTrainedTokenizerBase, model_name: str):
+        self.core = core
+        self.tokenizer = tokenizer
+        self.backend_tokenizer = tokenizer.backend_tokenizer
+        self.model_name = model_name
+        self.vocab_size = core.runner.model.config.vocab_size
+        self.metrics = Metrics(core.stats, model_name)
+        self._states: dict[str, _RequestState] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._core_loop, name="atom-engine-core", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    # ---- the core thread -------------------------------------------------------------
+
+    def _core_loop(self) -> None:
+        try:
+            while True:
+                self._run_commands(block=not self.core.has_work())
+                if self._stopping:
+                    return
+                if self.core.has_work():
+                    updates = self.core.step()
+                    if updates:
+                        self._loop.call_soon_threadsafe(self._on_updates, updates)
+        except BaseException as error:  # noqa: BLE001  (reported to every waiting request)
+            logger.exception("engine core failed")
+            self._error = error
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            kind, args = command
+            if kind == "add":
+                try:
+                    self.core.add_request(*args)
+                except InvalidRequestError as error:
+                    self._loop.call_soon_threadsafe(self._fail_request, args[0], error)
+            elif kind == "abort":
+                self.core.abort(*args)
+            elif kind == "stop":
+                self._stopping = True
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    # ---- the event loop --------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab_size - 1})", "prompt"
+            )
+        self.core.check_fits(len(prompt_token_ids), params)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's cumulative output after every step that changes it; the last is finished.
+
+        Closing the iterator early (a client that went away) aborts the request and frees its blocks.
+        """
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("give a prompt or prompt_token_ids", "prompt")
+            prompt_token_ids = self.tokenize(prompt)
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self._loop = asyncio.get_running_loop()
+        state = _RequestState(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            [
+                _Completion(
+                    i,
+                    IncrementalDetokenizer(self.backend_tokenizer, prompt_token_ids, params),
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+                for i in range(params.n)
+            ],
+            asyncio.Queue(),
+            RequestMetrics(arrival_time=time.monotonic()),
+        )
+        self._states[request_id] = state
+        self._commands.put(("add", (request_id, state.prompt_token_ids, params)))
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not state.finished:
+                self._commands.put(("abort", (request_id,)))
+            self._states.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", (request_id,)))
+
+    def _on_updates(self, updates: list[TokenUpdate]) -> None:
+        now = time.monotonic()
+        changed: dict[str, _RequestState] = {}
+        for update in updates:
+            state = self._states.get(update.request_id)
+            if state is None:
+                continue
+            completion = state.completions[update.index]
+            if completion.finish_reason is not None:
+                continue  # already ended by a stop string; the core has been told
+            self._add_token(state, completion, update)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.num_cached_tokens = update.num_cached_tokens
+            changed[update.request_id] = state
+        for state in changed.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                self._record_finished(state)
+            state.queue.put_nowait(state.output())
+
+    def _add_token(self, state: _RequestState, completion: _Completion, update: TokenUpdate) -> None:
+        completion.token_ids.append(update.token_id)
+        if completion.logprobs is not None and update.logprobs is not None:
+            entry = {update.token_id: Logprob(update.logprobs[0], update.rank, self._decode_one(update.token_id))}
+            top = zip(update.logprob_token_ids[1:], update.logprobs[1:], strict=True)
+            for rank, (token, value) in enumerate(top, 1):
+                entry.setdefault(token, Logprob(value, rank, self._decode_one(token)))
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += update.logprobs[0]
+        stop = completion.detokenizer.add(update.token_id)
+        if stop is not None:
+            completion.finish_reason, completion.stop_reason = "stop", stop
+            if update.finish_reason is None:
+                self._commands.put(("abort", (state.request_id, completion.index)))
+        elif update.finish_reason is not None:
+            completion.detokenizer.flush()
+            completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.backend_tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _record_finished(self, state: _RequestState) -> None:
+        m = state.metrics
+        for completion in state.completions:
+            self.metrics.observe_finished(
+                len(state.prompt_token_ids),
+                len(completion.token_ids),
+                m.arrival_time,
+                m.first_token_time,
+                m.finished_time,
+                completion.finish_reason,
+            )
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        state = self._states.get(request_id)
+        if state is not None:
+            state.queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for state in list(self._states.values()):
+            state.queue.put_nowait(EngineDeadError(f"the engine stopped after an error: {error}"))
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._commands.put(("stop", ()))
+            self._thread.join(timeout=10)

@@ -1,0 +1,170 @@
+"""The GPU side of the engine: scheduler, block manager and model runner, driven one step at a time.
+
+It speaks token ids only. Tokenization, detokenization, stop strings and HTTP live on the
+asyncio side (`async_engine`), so the step loop never waits on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from atom_runtime.block_manager import BlockManager
+from atom_runtime.config import EngineConfig
+from atom_runtime.model_runner import ModelRunner
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
+from atom_runtime.scheduler import Scheduler
+from atom_runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenUpdate:
+    """One new token of one sequence, and whether that sequence is now finished."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob_token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    rank: int | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_time_s: float = 0.0  # summed wall time of steps
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: set[int]):
+        self.runner = runner
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sequences: dict[str, list[Sequence]] = {}
+        self.stats = EngineStats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse what can never run: too long for the context, or for the whole KV cache alone."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, but the model's context is {self.max_model_len} tokens "
+                f"and at least one must be left to generate",
+                "prompt",
+            )
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the "
+                f"model's context of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        total = num_prompt_tokens + (params.max_tokens or self.max_model_len - num_prompt_tokens)
+        needed = self.block_manager.blocks_needed(total)
+        if needed > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"this request needs {needed} KV-cache blocks, but the whole cache has "
+                f"{self.block_manager.num_blocks}; lower max_tokens or the prompt length",
+                "max_tokens",
+            )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}", "n")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise InvalidRequestError(
+                f"logprobs={params.logprobs} exceeds the server's max_logprobs={self.config.max_logprobs}",
+                "logprobs",
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.check_fits(len(prompt_token_ids), params)
+        seqs = [Sequence(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        self.sequences[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request (or one of its samples) and free its blocks; unknown ids are ignored."""
+        for seq in self.sequences.get(request_id, []):
+            if (index is None or seq.index == index) and not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        self._forget_if_done(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.sequences.get(request_id)
+        if seqs is not None and all(s.finished for s in seqs):
+            del self.sequences[request_id]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenUpdate]:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        updates: list[TokenUpdate] = []
+        if plan.chunks:
+            sampled = self.runner.execute(plan.chunks)
+            sampling = [c for c in plan.chunks if c.samples]
+            for chunk in plan.chunks:
+                chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            for row, chunk in enumerate(sampling):
+                updates.append(self._append_token(chunk.seq, sampled, row))
+        self._update_stats(time.perf_counter() - started)
+        return updates
+
+    def _append_token(self, seq: Sequence, sampled, row: int) -> TokenUpdate:
+        token = sampled.token_ids[row]
+        seq.token_ids.append(token)
+        update = TokenUpdate(seq.request_id, seq.index, token, num_cached_tokens=seq.num_cached_tokens)
+        if sampled.logprobs is not None and seq.params.logprobs is not None:
+            keep = 1 + seq.params.logprobs
+            update.logprob_token_ids = sampled.logprob_token_ids[row][:keep]
+            update.logprobs = sampled.logprobs[row][:keep]
+            update.rank = sampled.ranks[row]
+        reason, stop_reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason, stop_reason)
+            update.finish_reason, update.stop_reason = reason, stop_reason
+            self._forget_if_done(seq.request_id)
+        return update
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        params = seq.params
+        if seq.num_output_tokens > params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _update_stats(self, step_time: float) -> None:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_usage = self.block_manager.usage
+        s.prefix_cache_queries = self.block_manager.prefix_queries
+        s.prefix_cache_hits = self.block_manager.prefix_hits
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.num_steps += 1
+        s.step_time_s += step_time

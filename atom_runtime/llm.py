@@ -1,0 +1,95 @@
+"""The offline API, in vLLM's shape: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import uvloop
+from tqdm.auto import tqdm
+
+from atom_runtime.config import EngineConfig
+from atom_runtime.loading import create_engine
+from atom_runtime.outputs import RequestOutput
+from atom_runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    """Loads a model (an HF directory) and generates for batches of prompts.
+
+    Engine settings (max_num_seqs, block_size, enable_prefix_caching, ...) are keyword
+    arguments, as in vLLM; see `EngineConfig`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        quantization: str | None = None,
+        load_dummy: bool = False,
+        **engine_args,
+    ):
+        self.engine = create_engine(
+            model,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            load_dummy=load_dummy,
+            config=EngineConfig(**engine_args),
+        )
+        self.tokenizer = self.engine.tokenizer
+        self._loop = uvloop.new_event_loop()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in the order given."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give either prompts or prompt_token_ids")
+        if prompts is not None:
+            requests = [(p, None) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+        else:
+            ids = list(prompt_token_ids)
+            requests = [(None, list(x)) for x in ([ids] if ids and isinstance(ids[0], int) else ids)]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(requests)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(requests):
+                raise ValueError(f"{len(params)} sampling_params for {len(requests)} prompts")
+        return self._loop.run_until_complete(self._generate_all(requests, params, use_tqdm))
+
+    async def _generate_all(self, requests, params, use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm)
+
+        async def one(request, p: SamplingParams) -> RequestOutput:
+            prompt, ids = request
+            final = None
+            async for output in self.engine.generate(prompt, p, prompt_token_ids=ids):
+                final = output
+            bar.update(1)
+            return final
+
+        try:
+            return await asyncio.gather(*(one(r, p) for r, p in zip(requests, params, strict=True)))
+        finally:
+            bar.close()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if not self._loop.is_closed():
+            self._loop.close()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

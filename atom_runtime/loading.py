@@ -1,0 +1,83 @@
+"""From a path to a running engine: model (HF directory now, artifact once compiled), tokenizer, KV cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from atom_models import load_config, resolve_dtype
+from atom_models.loader import build_model, fill_dummy_weights, load_weights
+from atom_models.ops import default_backend, set_backend
+from atom_runtime.async_engine import AsyncEngine
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine_core import EngineCore
+from atom_runtime.model_runner import LoadedModel, ModelRunner
+from atom_runtime.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return device
+
+
+def load_hf_model(
+    model_dir: str | Path, dtype: str | torch.dtype, device: torch.device, quant: str | None, load_dummy: bool
+) -> LoadedModel:
+    config = load_config(model_dir)
+    set_backend(default_backend(device))
+    model = build_model(config, resolve_dtype(dtype, config), device, quant)
+    if load_dummy:
+        fill_dummy_weights(model)
+    else:
+        load_weights(model, model_dir)
+    return LoadedModel(model, config, resolve_dtype(dtype, config), device, str(model_dir))
+
+
+def eos_token_ids(model_dir: str | Path, config: PretrainedConfig, tokenizer) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    if (Path(model_dir) / "generation_config.json").is_file():
+        add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    return ids
+
+
+def create_engine(
+    model: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    quantization: str | None = None,
+    load_dummy: bool = False,
+    served_model_name: str | None = None,
+    config: EngineConfig | None = None,
+) -> AsyncEngine:
+    config = config or EngineConfig()
+    loaded = load_hf_model(model, dtype, resolve_device(device), quantization, load_dummy)
+    context = loaded.config.max_position_embeddings
+    if config.max_model_len is None:
+        config.max_model_len = context
+    elif config.max_model_len > context:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {context}")
+    tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
+    torch.manual_seed(config.seed)
+    sampler = Sampler(eos_token_ids(loaded.model_dir, loaded.config, tokenizer))
+    runner = ModelRunner(loaded, config, sampler)
+    core = EngineCore(runner, config, sampler.eos_token_ids)
+    return AsyncEngine(core, tokenizer, served_model_name or Path(model).name)

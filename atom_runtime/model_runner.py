@@ -1,0 +1,177 @@
+"""Turns a scheduled step into model inputs, runs the model, and samples.
+
+The model is anything with the forward signature of `atom_models` causal LMs:
+`(input_ids, positions, kv_caches, AttentionMetadata, logits_indices) -> fp32 logits`,
+either the eager nn.Module or a compiled artifact. The runner owns the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from atom_models.layers import AttentionMetadata
+from atom_models.llama import head_dim_of
+from atom_models.ops.quant import FP8_DTYPE
+from atom_runtime.config import EngineConfig
+from atom_runtime.sampler import SampledTokens, Sampler
+from atom_runtime.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+ModelForward = Callable[[Tensor, Tensor, list[Tensor], AttentionMetadata, Tensor], Tensor]
+
+
+@dataclass
+class LoadedModel:
+    """A runnable model and what the runtime needs to know about it."""
+
+    forward: ModelForward
+    config: PretrainedConfig
+    dtype: torch.dtype
+    device: torch.device
+    model_dir: str  # where the tokenizer lives
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, config: EngineConfig, sampler: Sampler):
+        self.model = model
+        self.config = config
+        self.sampler = sampler
+        self.device = model.device
+        hf = model.config
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = hf.num_key_value_heads
+        self.head_dim = head_dim_of(hf)
+        self.block_size = config.block_size
+        self.kv_dtype = {"auto": model.dtype, "bf16": torch.bfloat16, "fp8": FP8_DTYPE}[config.kv_cache_dtype]
+        self.max_model_len = config.max_model_len
+        self.num_blocks = self._decide_num_blocks()
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size, self.kv_dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * element * self.num_layers
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kvcache_blocks:
+            return self.config.num_kvcache_blocks
+        if self.device.type == "cpu":
+            wanted = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            space = int(self.config.cpu_kvcache_space_gib * 2**30) // self.block_bytes
+            return max(1, min(wanted, space))
+        return self._blocks_that_fit_on_gpu()
+
+    def _blocks_that_fit_on_gpu(self) -> int:
+        """Blocks that fit in gpu_memory_utilization of the card after weights and a peak-sized step."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        self.profile_run()
+        torch.cuda.synchronize()
+        activation_peak = torch.cuda.max_memory_allocated() - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        available = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        num_blocks = int(available // self.block_bytes)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: {available / 2**30:.2f} GiB available at "
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization}; "
+                "raise it or lower max_num_batched_tokens"
+            )
+        return num_blocks
+
+    def profile_run(self) -> None:
+        """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory."""
+        tokens = self.config.max_num_batched_tokens
+        seq_len = min(tokens, self.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        cache = torch.zeros(
+            (2, num_seqs * blocks_per_seq, self.block_size, self.num_kv_heads, self.head_dim),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        lens = [seq_len] * (num_seqs - 1) + [tokens - seq_len * (num_seqs - 1)]
+        positions = np.concatenate([np.arange(n) for n in lens])
+        tables = np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq)
+        slots = np.concatenate(
+            [
+                tables[i, np.arange(n) // self.block_size] * self.block_size + np.arange(n) % self.block_size
+                for i, n in enumerate(lens)
+            ]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(tables, torch.int32),
+            seq_lens=self._tensor(lens, torch.int32),
+            query_start_loc=self._tensor(np.concatenate([[0], np.cumsum(lens)]), torch.int32),
+        )
+        with torch.inference_mode():
+            self.model.forward(
+                self._tensor(np.zeros(tokens), torch.int64),
+                self._tensor(positions, torch.int64),
+                [cache] * self.num_layers,
+                meta,
+                self._tensor(np.cumsum(lens) - 1, torch.int64),
+            )
+        del cache
+
+    def _tensor(self, values, dtype: torch.dtype) -> Tensor:
+        t = torch.as_tensor(np.asarray(values), dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        bs = self.block_size
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        input_ids, positions, slots = [], [], []
+        query_lens = np.empty(len(chunks), dtype=np.int64)
+        seq_lens = np.empty(len(chunks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            table = np.asarray(c.seq.block_table, dtype=np.int64)
+            block_tables[i, : len(table)] = table
+            pos = np.arange(c.start, c.start + c.num_tokens)
+            input_ids.append(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            query_lens[i] = c.num_tokens
+            seq_lens[i] = c.start + c.num_tokens
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+        logits_indices = (query_start_loc[1:] - 1)[[c.samples for c in chunks]]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots), torch.int64),
+            block_tables=self._tensor(block_tables, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
+        )
+        ids = self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids]), torch.int64)
+        return (
+            ids,
+            self._tensor(np.concatenate(positions), torch.int64),
+            meta,
+            self._tensor(logits_indices, torch.int64),
+        )
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> SampledTokens | None:
+        """Run one step; returns sampled tokens for the chunks that sample, in order."""
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
+        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_indices)
+        sampling = [c.seq for c in chunks if c.samples]
+        if not sampling:
+            return None
+        return self.sampler(logits, sampling)

@@ -1,0 +1,121 @@
+"""Batched sampling on the logits' device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Random rows draw with the exponential-race trick (argmax of p / Exp(1)), which samples from
+p exactly and lets a seeded request draw its noise from its own generator, so its output
+does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from atom_runtime.sequence import Sequence
+
+
+@dataclass
+class SampledTokens:
+    token_ids: list[int]
+    # Per row, when any row asked for logprobs: (token ids, logprobs) of the sampled token
+    # followed by the top-k, and the sampled token's rank (1 = most likely).
+    logprob_token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+    ranks: list[int] | None = None
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SampledTokens:
+        params = [s.params for s in seqs]
+        raw_logits = logits
+        if any(p.needs_penalties for p in params):
+            logits = self._apply_penalties(logits.clone(), seqs)
+        if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
+            logits = self._block_stop_tokens(logits.clone() if logits is raw_logits else logits, seqs)
+        if all(p.greedy for p in params):
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, seqs)
+        num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if num_logprobs is None:
+            return SampledTokens(sampled.tolist())
+        return self._with_logprobs(raw_logits, sampled, num_logprobs)
+
+    def _apply_penalties(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        batch, vocab = logits.shape
+        device = logits.device
+        counts = torch.zeros(batch, vocab, device=device)
+        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        for row, seq in enumerate(seqs):
+            if not seq.params.needs_penalties:
+                continue
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=device)
+            counts[row].index_add_(0, out, torch.ones(len(out), device=device))
+            seen[row, torch.tensor(seq.token_ids, dtype=torch.long, device=device)] = True
+        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=device).unsqueeze(1)
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=device).unsqueeze(1)
+        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=device).unsqueeze(1)
+        # Repetition penalty (prompt and output, as HF/vLLM): shrink positive logits, grow negative ones.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+        return logits - freq * counts - pres * (counts > 0).float()
+
+    def _block_stop_tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+                if stop_ids:
+                    logits[row, list(stop_ids)] = float("-inf")
+        return logits
+
+    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        device = logits.device
+        params = [s.params for s in seqs]
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        logits = logits / temperature.unsqueeze(1)
+        if any(p.top_k > 0 for p in params):
+            logits = self._top_k(logits, [p.top_k for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            logits = self._top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None and not seq.params.greedy:
+                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=seq.generator).to(device)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _top_k(logits: Tensor, top_k: list[int]) -> Tensor:
+        vocab = logits.shape[1]
+        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+        values = logits.topk(int(ks.max()), dim=-1).values
+        threshold = values.gather(1, (ks - 1).unsqueeze(1))
+        return logits.masked_fill(logits < threshold, float("-inf"))
+
+    @staticmethod
+    def _top_p(logits: Tensor, top_p: Tensor) -> Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token once the mass before it already reaches top_p; the first always stays.
+        drop = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+    @staticmethod
+    def _with_logprobs(logits: Tensor, sampled: Tensor, k: int) -> SampledTokens:
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, sampled.unsqueeze(1))
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], sampled.unsqueeze(1)[:, :0])
+        ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
+        values = torch.cat([chosen, top_values], dim=1)
+        return SampledTokens(sampled.tolist(), ids.tolist(), values.tolist(), ranks.tolist())

@@ -1,0 +1,114 @@
+"""Continuous batching: which tokens of which sequences run in the next step.
+
+Every step has a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`). Running sequences go first, in arrival order: a decode costs one
+token, an unfinished prompt takes the next chunk that fits the budget (chunked
+prefill), so prefill chunks and decodes share a step. Waiting sequences are admitted
+FCFS while budget and KV blocks last. When blocks run out, the newest running sequence
+is preempted: its blocks are freed and it is recomputed later (prefix caching usually
+makes that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from atom_runtime.block_manager import BlockManager
+from atom_runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token position computed in this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so its last logits give a new token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(c.num_tokens == 1 and c.samples for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # `seq` itself was preempted: nothing behind it can fit either
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+            seq = self.waiting[0]
+            prefix = self.block_manager.cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, num_new, prefix):
+                break
+            self.waiting.popleft()
+            if seq.num_output_tokens == 0:  # count the first admission of a prompt, not resumptions
+                self.block_manager.prefix_queries += seq.num_tokens
+                self.block_manager.prefix_hits += seq.num_computed_tokens
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Retire `seq` (done, stopped or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

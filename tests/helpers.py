@@ -1,0 +1,29 @@
+"""Run an atom model on one prompt outside the engine, for numerical comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+from atom_models.layers import AttentionMetadata
+from atom_models.llama import head_dim_of
+
+
+def prefill_logits(model, input_ids: torch.Tensor, block_size: int = 4) -> torch.Tensor:
+    """Logits at every position of one prompt, through the paged KV cache (scattered blocks)."""
+    config = model.config
+    n = input_ids.numel()
+    num_blocks = -(-n // block_size)
+    blocks = torch.randperm(num_blocks * 2)[:num_blocks]  # non-contiguous, out of order
+    caches = [
+        torch.zeros(2, num_blocks * 2, block_size, config.num_key_value_heads, head_dim_of(config))
+        for _ in range(config.num_hidden_layers)
+    ]
+    positions = torch.arange(n)
+    meta = AttentionMetadata(
+        slot_mapping=blocks[positions // block_size] * block_size + positions % block_size,
+        block_tables=blocks[None].int(),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+    )
+    with torch.inference_mode():
+        return model(input_ids, positions, caches, meta, positions)

@@ -1,0 +1,74 @@
+"""The offline API: batching through the paged KV cache, stopping, sampling."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom_runtime import LLM, SamplingParams
+
+PROMPTS = ["Hello", "The quick brown fox jumps over", "a", "Once upon a time, in a land far away, there"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    engine = LLM(tiny_llama, device="cpu", block_size=4)
+    yield engine
+    engine.shutdown()
+
+
+def test_output_shape(llm):
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    for out in outs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 24
+        assert completion.finish_reason == "length"
+        assert completion.text == llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_batch_equals_each_prompt_alone(llm):
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    assert together == alone
+
+
+def test_chunked_prefill_and_small_budget_give_same_tokens(tiny_llama, llm):
+    small = LLM(tiny_llama, device="cpu", block_size=4, max_num_batched_tokens=5, max_num_seqs=2)
+    try:
+        got = [o.outputs[0].token_ids for o in small.generate(PROMPTS, GREEDY)]
+    finally:
+        small.shutdown()
+    assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_prompt_token_ids_input(llm):
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    assert llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)[0].outputs[0].token_ids == (
+        llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids
+    )
+
+
+def test_eos_stops(llm):
+    eos = llm.tokenizer.eos_token_id
+    # Find a greedy continuation, then declare its 3rd token the EOS by way of stop_token_ids.
+    tokens = llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tokens[2]]))[0]
+    assert out.outputs[0].token_ids == tokens[:3]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == tokens[2]
+    assert eos is not None
+
+
+def test_temperature_sampling_is_seeded(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
+    first = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    again = llm.generate(PROMPTS[:2], params)[0].outputs[0].token_ids  # other work in the batch
+    other = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=16, seed=8, ignore_eos=True))
+    assert first == again
+    assert first != other[0].outputs[0].token_ids
+
+
+def test_max_tokens(llm):
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3
