@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from atom_compile import is_artifact, load_artifact
 from atom_models import load_config, resolve_dtype
 from atom_models.loader import build_model, fill_dummy_weights, load_weights
 from atom_models.ops import default_backend, set_backend
@@ -42,6 +43,16 @@ def load_hf_model(
     return LoadedModel(model, config, resolve_dtype(dtype, config), device, str(model_dir))
 
 
+def _refuse_overrides(path, **given) -> None:
+    defaults = {"dtype": "auto", "device": "auto", "quantization": None, "load_dummy": False}
+    changed = [name for name, value in given.items() if value != defaults[name] and str(value) != defaults[name]]
+    if changed:
+        raise ValueError(
+            f"{path} is a compiled artifact: its {', '.join(changed)} were fixed at export; "
+            "re-export with atom-compile to change them"
+        )
+
+
 def eos_token_ids(model_dir: str | Path, config: PretrainedConfig, tokenizer) -> set[int]:
     ids: set[int] = set()
 
@@ -58,6 +69,12 @@ def eos_token_ids(model_dir: str | Path, config: PretrainedConfig, tokenizer) ->
     return ids
 
 
+def load_compiled_model(path: str | Path, rebuild: bool) -> tuple[LoadedModel, dict]:
+    compiled = load_artifact(path, rebuild=rebuild)
+    loaded = LoadedModel(compiled, compiled.config, compiled.dtype, compiled.device, str(compiled.path))
+    return loaded, compiled.manifest
+
+
 def create_engine(
     model: str | Path,
     *,
@@ -65,11 +82,22 @@ def create_engine(
     device: str | torch.device = "auto",
     quantization: str | None = None,
     load_dummy: bool = False,
+    rebuild: bool = False,
     served_model_name: str | None = None,
     config: EngineConfig | None = None,
 ) -> AsyncEngine:
+    """An engine over an artifact directory (compiled by atom-compile) or an HF model directory (eager).
+
+    For an artifact, dtype, device and quantization come from its manifest; passing others is an error.
+    """
     config = config or EngineConfig()
-    loaded = load_hf_model(model, dtype, resolve_device(device), quantization, load_dummy)
+    if is_artifact(model):
+        _refuse_overrides(model, dtype=dtype, device=device, quantization=quantization, load_dummy=load_dummy)
+        loaded, manifest = load_compiled_model(model, rebuild)
+        if config.max_model_len is None:
+            config.max_model_len = manifest["max_model_len"]
+    else:
+        loaded = load_hf_model(model, dtype, resolve_device(device), quantization, load_dummy)
     context = loaded.config.max_position_embeddings
     if config.max_model_len is None:
         config.max_model_len = context

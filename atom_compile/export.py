@@ -1,0 +1,180 @@
+"""`atom-compile export`: HF model directory → artifact directory. All tracing and compiling happens here."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from atom_compile import artifact
+from atom_compile.graphs.codegen import graph_source
+from atom_compile.graphs.compile import compile_piece
+from atom_compile.graphs.split import Piece, propagate_fake_values, split_at_attention
+from atom_compile.passes import resolve_pipeline, run_passes
+from atom_compile.trace import TracedModel, trace_model
+from atom_models import load_config, resolve_dtype
+from atom_models.loader import build_model, checkpoint_files, fill_dummy_weights, load_weights
+from atom_models.ops import available_backends, default_backend, use_backend
+
+logger = logging.getLogger(__name__)
+
+LEVELS = (0, 3)  # 0: pieces run as eager FX code; 3: pieces compiled by Inductor (ATOM's levels)
+WEIGHT_MODES = ("reference", "copy")
+
+
+@dataclass
+class ExportOptions:
+    device: str = "auto"
+    dtype: str = "auto"
+    passes: str | list[str] | None = None  # names, or "+name,-name" edits of the default pipeline
+    level: int = 3
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    quantization: str | None = None
+    weights: str = "reference"  # "copy" writes the (packed, possibly quantized) weights into the artifact
+    load_dummy: bool = False
+    backend: str | None = None  # ops backend; default: the best one for the device
+
+    def validate(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {self.level}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.load_dummy and self.weights == "reference":
+            self.weights = "copy"  # dummy weights exist nowhere else
+
+
+def _say(message: str) -> None:
+    print(f"[atom-compile] {message}", file=sys.stderr, flush=True)
+
+
+def resolve_export_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def trace_model_dir(model_dir: str | Path, options: ExportOptions) -> tuple[torch.nn.Module, TracedModel]:
+    """Build the model on the export device with its weights, and trace it."""
+    device = resolve_export_device(options.device)
+    config = load_config(model_dir)
+    dtype = resolve_dtype(options.dtype, config)
+    model = build_model(config, dtype, device, options.quantization)
+    if options.load_dummy:
+        fill_dummy_weights(model)
+    else:
+        load_weights(model, model_dir)
+    return model, trace_model(model)
+
+
+def export_model(model_dir: str | Path, output: str | Path, options: ExportOptions | None = None) -> dict:
+    """Trace, rewrite, split, compile and write the artifact; returns its manifest."""
+    options = options or ExportOptions()
+    options.validate()
+    model_dir, output = Path(model_dir).resolve(), Path(output)
+    device = resolve_export_device(options.device)
+    backend = options.backend or default_backend(device)
+    if backend not in available_backends(device):
+        raise ValueError(
+            f"ops backend {backend!r} is not available on {device}; available: {available_backends(device)}"
+        )
+    started = time.perf_counter()
+    with use_backend(backend):
+        _say(f"loading {model_dir} on {device}")
+        model, traced = trace_model_dir(model_dir, options)
+        _say(f"traced {len(traced.graph_module.graph.nodes)} nodes")
+        pipeline = resolve_pipeline(options.passes)
+        records = run_passes(traced.graph_module, pipeline)
+        _say("passes: " + ", ".join(f"{r.name}×{r.matches}" for r in records))
+        propagate_fake_values(traced.graph_module)
+        top, pieces = split_at_attention(traced.graph_module)
+        staging = Path(tempfile.mkdtemp(prefix=".atom-export-", dir=output.parent if output.parent.exists() else None))
+        try:
+            piece_entries = _write_pieces(staging, top, pieces, options.level, device)
+            weights = _write_weights(staging, model, model_dir, options)
+            _copy_tokenizer(model_dir, staging)
+            files = [str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()]
+            manifest = {
+                **artifact.environment(device),
+                "atom_version": artifact.atom_version(),
+                "architecture": model.config.architectures[0],
+                "model_config": model.config.to_dict(),
+                "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
+                "device": str(device),
+                "ops_backend": backend,
+                "level": options.level,
+                "quantization": options.quantization,
+                "passes": [asdict(r) for r in records],
+                "max_model_len": options.max_model_len or model.config.max_position_embeddings,
+                "max_num_seqs": options.max_num_seqs,
+                "export_options": asdict(options),
+                "inputs": [asdict(i) for i in traced.inputs],
+                "pieces": piece_entries,
+                "weights": weights,
+                "export_seconds": round(time.perf_counter() - started, 2),
+                "files": artifact.checksums(staging, files),
+            }
+            artifact.write_manifest(staging, manifest)
+            if output.exists():
+                shutil.rmtree(output)
+            staging.chmod(0o755)
+            staging.rename(output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    _say(f"wrote {output} in {manifest['export_seconds']:.1f} s")
+    return manifest
+
+
+def _write_pieces(staging: Path, top, pieces: list[Piece], level: int, device: torch.device) -> dict:
+    (staging / "graphs").mkdir()
+    (staging / "graphs" / "model.py").write_text(graph_source(top))
+    distinct: dict[str, Piece] = {}
+    entries = {}
+    for piece in pieces:
+        distinct.setdefault(piece.key, piece)
+        code = f"graphs/piece_{piece.key}.py"
+        entries[piece.name] = {
+            "key": piece.key,
+            "code": code,
+            "compiled": None,
+            "returns_tuple": piece.returns_tuple,
+            "eager": piece.runs_eagerly or level == 0,
+        }
+    for key, piece in distinct.items():
+        (staging / f"graphs/piece_{key}.py").write_text(graph_source(piece.graph_module))
+    to_compile = [p for p in distinct.values() if not p.runs_eagerly] if level == 3 else []
+    if to_compile:
+        (staging / "compiled").mkdir()
+    for piece in tqdm(to_compile, desc="Compiling pieces", unit="piece", file=sys.stderr):
+        compile_piece(piece.graph_module, staging / f"compiled/piece_{piece.key}.pt2", device)
+    for entry in entries.values():
+        if not entry["eager"]:
+            entry["compiled"] = f"compiled/piece_{entry['key']}.pt2"
+    _say(f"{len(pieces)} pieces, {len(distinct)} distinct, {len(to_compile)} compiled")
+    return entries
+
+
+def _write_weights(staging: Path, model: torch.nn.Module, model_dir: Path, options: ExportOptions) -> dict:
+    if options.weights == "copy":
+        (staging / "weights").mkdir()
+        tensors = {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()}
+        save_file(tensors, staging / "weights" / "model.safetensors", metadata={"format": "pt"})
+        return {"mode": "copy", "file": "weights/model.safetensors"}
+    _say("fingerprinting the source weights")
+    files = {f.name: artifact.file_digest(f) for f in checkpoint_files(model_dir)}
+    return {"mode": "reference", "model_dir": str(model_dir), "files": files}
+
+
+def _copy_tokenizer(model_dir: Path, staging: Path) -> None:
+    for name in artifact.TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, staging / name)

@@ -1,0 +1,96 @@
+"""Compile a piece with Inductor, ahead of time, into a package that loads without compiling.
+
+Each distinct piece is exported on its own (its inputs, weights included, are plain
+arguments) and compiled with AOTInductor into a `.pt2` package: a shared library plus
+metadata that `aoti_load_package` maps in without invoking a compiler. We measured that
+`standalone_compile(...).save()` artifacts re-run the C++ compiler when loaded on CPU,
+while AOTInductor packages do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import sympy
+import torch
+from torch.export import Dim
+from torch.fx import GraphModule
+
+from atom_models.ops.activation import silu_and_mul_reference
+from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from atom_models.ops.rotary import rotary_embedding_reference
+
+
+def inductor_decompositions() -> dict:
+    """Ops Inductor generates better than an opaque call: their references, decomposed into the piece.
+
+    Inside a compiled piece a custom op is a fallback call Inductor cannot fuse with its
+    neighbours; these ops are elementwise or row-wise, so Inductor's own kernels for the
+    reference code fuse the residual add, norm, activation and RoPE around the GEMMs.
+    """
+    return {
+        torch.ops.atom.rms_norm.default: rms_norm_reference,
+        torch.ops.atom.fused_add_rms_norm.default: fused_add_rms_norm_reference,
+        torch.ops.atom.silu_and_mul.default: silu_and_mul_reference,
+        torch.ops.atom.rotary_embedding.default: rotary_embedding_reference,
+    }
+
+
+def _dim(expr: sympy.Expr, dims: dict[str, Dim]):
+    """A torch.export dimension for a symbolic size `s` or `s + c`."""
+    if isinstance(expr, sympy.Symbol):
+        return dims.setdefault(expr.name, Dim(expr.name))
+    if isinstance(expr, sympy.Add) and len(expr.args) == 2:
+        constant, symbol = sorted(expr.args, key=lambda a: isinstance(a, sympy.Symbol))
+        if isinstance(symbol, sympy.Symbol) and isinstance(constant, sympy.Integer):
+            return _dim(symbol, dims) + int(constant)
+    raise NotImplementedError(f"piece input size {expr} is neither a symbol nor a symbol plus a constant")
+
+
+def example_inputs(piece: GraphModule, device: torch.device) -> tuple[list[torch.Tensor], list[dict | None]]:
+    """Concrete inputs at the traced sizes, and which of their dimensions are dynamic."""
+    dims: dict[str, Dim] = {}
+    args, dynamic = [], []
+    for node in piece.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta["val"]
+        if not isinstance(val, torch.Tensor):
+            raise NotImplementedError(f"piece input {node.name} is not a tensor ({val!r})")
+        sizes, spec = [], {}
+        for i, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt):
+                spec[i] = _dim(size.node.expr, dims)
+                sizes.append(size.node.hint)
+            else:
+                sizes.append(int(size))
+        if val.dtype.is_floating_point and val.dtype.itemsize >= 2:
+            tensor = torch.randn(sizes, device=device).to(val.dtype)
+        else:
+            tensor = torch.zeros(sizes, dtype=val.dtype, device=device)
+        args.append(tensor)
+        dynamic.append(spec or None)
+    return args, dynamic
+
+
+def compile_piece(piece: GraphModule, package: Path, device: torch.device) -> None:
+    """AOTInductor-compile `piece` for dynamic sizes into the package file `package`."""
+    args, dynamic = example_inputs(piece, device)
+    with torch.no_grad():
+        exported = torch.export.export(piece, tuple(args), dynamic_shapes=tuple(dynamic))
+        exported = exported.run_decompositions(inductor_decompositions())
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(package))
+
+
+def load_compiled_piece(package: Path, returns_tuple: bool) -> Callable:
+    """The compiled piece as a function with the FX piece's calling convention."""
+    runner = torch._inductor.aoti_load_package(str(package))
+    if returns_tuple:
+        return lambda *args: tuple(runner(*args))
+
+    def single(*args):
+        out = runner(*args)
+        return out[0] if isinstance(out, list | tuple) else out
+
+    return single

@@ -1,0 +1,134 @@
+"""Load an artifact for serving: check it fits this machine, load weights, bind the pieces.
+
+Nothing here traces or compiles. The top-level graph and eager pieces are executed from
+their saved source, compiled pieces are mapped in from their AOTInductor packages.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from atom_compile import artifact
+from atom_compile.graphs.codegen import load_graph_source
+from atom_compile.graphs.compile import load_compiled_piece
+from atom_models import load_config
+from atom_models.layers import AttentionMetadata
+from atom_models.loader import DTYPES, build_model, load_weights
+from atom_models.ops import set_backend
+
+logger = logging.getLogger(__name__)
+
+
+class _Pieces:
+    """Stands in for `self` in the top-level graph's code: `self.submod_N(...)` calls piece N."""
+
+    def __init__(self, pieces: dict):
+        self.__dict__.update(pieces)
+
+
+class CompiledModel:
+    """An artifact bound to its weights, callable like the eager model's forward."""
+
+    def __init__(self, path: Path, manifest: dict, device: torch.device):
+        self.path = path
+        self.manifest = manifest
+        self.device = device
+        self.config: PretrainedConfig = load_config(path)
+        self.dtype = DTYPES[manifest["dtype"]]
+        set_backend(manifest["ops_backend"])
+        self.weights = self._load_weights()
+        self.forward_graph = load_graph_source((path / "graphs/model.py").read_text(), str(path / "graphs/model.py"))
+        self.pieces = _Pieces(self._load_pieces())
+        self.inputs = [(i["kind"], i["target"]) for i in manifest["inputs"]]
+
+    def _load_weights(self) -> dict[str, Tensor]:
+        quant = self.manifest["quantization"]
+        model = build_model(self.config, self.dtype, self.device, quant)
+        source = self.manifest["weights"]
+        if source["mode"] == "copy":
+            params = dict(model.named_parameters())
+            with safe_open(str(self.path / source["file"]), framework="pt", device=str(self.device)) as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    params[name].data.copy_(f.get_tensor(name))
+        else:
+            load_weights(model, artifact.check_source_weights(self.manifest))
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(model.named_buffers(remove_duplicate=False))
+        return named
+
+    def _load_pieces(self) -> dict:
+        loaded: dict[str, object] = {}
+        by_key: dict[str, object] = {}
+        for name, entry in self.manifest["pieces"].items():
+            if entry["key"] not in by_key:
+                if entry["compiled"]:
+                    by_key[entry["key"]] = load_compiled_piece(self.path / entry["compiled"], entry["returns_tuple"])
+                else:
+                    code = self.path / entry["code"]
+                    forward = load_graph_source(code.read_text(), str(code))
+                    by_key[entry["key"]] = lambda *args, _forward=forward: _forward(None, *args)
+            loaded[name] = by_key[entry["key"]]
+        return loaded
+
+    def __call__(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+        logits_indices: Tensor,
+    ) -> Tensor:
+        step = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": meta.slot_mapping,
+            "block_tables": meta.block_tables,
+            "seq_lens": meta.seq_lens,
+            "query_start_loc": meta.query_start_loc,
+            "logits_indices": logits_indices,
+        }
+        step.update((f"kv_caches_{i}", cache) for i, cache in enumerate(kv_caches))
+        args = [self.weights[target] if kind == "weight" else step[target] for kind, target in self.inputs]
+        return self.forward_graph(self.pieces, *args)[0]
+
+
+def is_artifact(path: str | Path) -> bool:
+    return (Path(path) / artifact.MANIFEST).is_file()
+
+
+def load_artifact(path: str | Path, *, rebuild: bool = False) -> CompiledModel:
+    """Load `path`; with `rebuild`, re-export it from its recorded source first if it does not fit here."""
+    path = Path(path).resolve()
+    manifest = artifact.read_manifest(path)
+    device = torch.device(manifest["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise artifact.ArtifactError(
+            "artifact mismatch: device_type is 'cuda' in the artifact but this machine has no CUDA device; "
+            "re-export it with --device cpu"
+        )
+    try:
+        artifact.check_environment(manifest, device)
+        artifact.check_files(path, manifest)
+        if manifest["weights"]["mode"] == "reference":
+            artifact.check_source_weights(manifest)
+    except artifact.ArtifactError:
+        if not rebuild:
+            raise
+        manifest = _rebuild(path, manifest)
+    return CompiledModel(path, manifest, device)
+
+
+def _rebuild(path: Path, manifest: dict) -> dict:
+    from atom_compile.export import ExportOptions, export_model
+
+    source = manifest["weights"].get("model_dir")
+    if source is None:
+        raise artifact.ArtifactError(f"cannot rebuild {path}: its weights were copied in, with no source recorded")
+    logger.warning("re-exporting %s from %s", path, source)
+    return export_model(source, path, ExportOptions(**manifest["export_options"]))

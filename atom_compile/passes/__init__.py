@@ -1,0 +1,28 @@
+"""FX rewrites of the traced model: fusions and cleanup, registered by name (see `registry`)."""
+
+from atom_compile.passes import cleanup, qk_norm_rope_cache, rms_norm_quant, rope_cache, silu_mul_quant  # noqa: F401
+from atom_compile.passes.registry import (
+    DEFAULT_PIPELINE,
+    PassRecord,
+    PatternPass,
+    RegisteredPass,
+    get_pass,
+    list_passes,
+    register_pass,
+    resolve_pipeline,
+    run_passes,
+    unregister_pass,
+)
+
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "PassRecord",
+    "PatternPass",
+    "RegisteredPass",
+    "get_pass",
+    "list_passes",
+    "register_pass",
+    "resolve_pipeline",
+    "run_passes",
+    "unregister_pass",
+]

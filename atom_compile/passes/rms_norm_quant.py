@@ -1,0 +1,63 @@
+"""RMSNorm (alone, or with the residual add) followed by per-token FP8 quantization → one fused op.
+
+Before:  y = rms_norm(x, w, eps);                      y_q, s = quant_fp8_per_token(y)
+After:   y_q, s = rms_norm_quant_fp8(x, w, eps)
+
+Before:  y, r = fused_add_rms_norm(x, res, w, eps);    y_q, s = quant_fp8_per_token(y)
+After:   y_q, s, r = fused_add_rms_norm_quant_fp8(x, res, w, eps)
+
+The normalised activations then never reach memory in 16-bit form. It fires only where
+every user of the norm's output is a quantization (the linear layers after it are FP8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.fx import Graph, Node
+
+from atom_compile.passes.registry import PatternPass, erase, getitem_users, is_call, op, register_pass, replace_outputs
+
+
+@dataclass
+class Match:
+    norm: Node
+    quants: list[Node]
+    norm_outputs: dict[int, Node] | None  # getitems of fused_add_rms_norm; None for plain rms_norm
+
+
+def quantized_users(value: Node) -> list[Node] | None:
+    users = list(value.users)
+    if users and all(is_call(u, op("quant_fp8_per_token")) and getitem_users(u) is not None for u in users):
+        return users
+    return None
+
+
+@register_pass("rms_norm_quant", version=1)
+class RMSNormQuant(PatternPass):
+    """RMSNorm (+ residual add) followed by FP8 per-token quantization -> one fused op."""
+
+    def match(self, node: Node) -> Match | None:
+        if is_call(node, op("rms_norm")):
+            quants = quantized_users(node)
+            return Match(node, quants, None) if quants else None
+        if is_call(node, op("fused_add_rms_norm")):
+            outputs = getitem_users(node)
+            if outputs and 0 in outputs:
+                quants = quantized_users(outputs[0])
+                return Match(node, quants, outputs) if quants else None
+        return None
+
+    def replace(self, graph: Graph, m: Match) -> None:
+        fused_op = op("rms_norm_quant_fp8") if m.norm_outputs is None else op("fused_add_rms_norm_quant_fp8")
+        with graph.inserting_after(m.norm):
+            fused = graph.call_function(fused_op, m.norm.args)
+        for quant in m.quants:
+            quant_outputs = getitem_users(quant)
+            replace_outputs(quant_outputs, fused, graph, {0: 0, 1: 1})
+            erase(graph, *quant_outputs.values(), quant)
+        if m.norm_outputs is not None:
+            if 1 in m.norm_outputs:  # the residual sum
+                replace_outputs({1: m.norm_outputs[1]}, fused, graph, {1: 2})
+            erase(graph, *m.norm_outputs.values())
+        erase(graph, m.norm)
