@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from atom_models.checkpoints import make_random_checkpoint
+# Without a GPU, Triton kernels run under Triton's interpreter; it must be chosen before they are defined.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from atom_models.checkpoints import make_random_checkpoint  # noqa: E402
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 

@@ -1,0 +1,499 @@
+"""Paged attention over mixed batches: causal prefill chunks and split-KV decode in one call.
+
+Two launches, both sized from tensor shapes alone so that a step can be captured in a CUDA
+graph, with no host synchronisation:
+
+1. `_decode_partial_kernel`, grid (seqs, kv_heads, splits): for each sequence with exactly one
+   query token (decode), each program attends over one slice of the context and writes a
+   partial output and its log-sum-exp to scratch (flash-decoding). Splitting the context lets
+   a single long sequence use every multiprocessor. Programs of other sequences exit at once.
+2. `_attention_kernel`, grid (query tiles, kv_heads): tiles cover the flat token dimension as
+   `query_start_loc[s] // BLOCK_Q + s + j` (sequence s, tile j), so the tile count never exceeds
+   `cdiv(tokens, BLOCK_Q) + seqs`, and each program finds its sequence by binary search.
+   A tile of a prefill chunk runs flash attention over the paged context, keys outside the
+   causal diagonal without masks, the diagonal with them. The tile of a decode sequence
+   merges that sequence's split partials. Tiles past the last sequence zero the padding tokens.
+
+GQA: a tile's rows are (token, head) pairs of all query heads sharing one KV head, so each
+key/value tile is loaded once per group. Scores and softmax are fp32; probabilities are
+rounded to the activation dtype for the second product, as flash attention does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from atom_models.ops.backend import register_impl
+
+LOG2E = 1.4426950408889634
+# An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
+EMPTY_LSE = tl.constexpr(-1.0e30)
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes and launch parameters; `decode_waves` x multiprocessors is the decode grid's target size."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    decode_block_n: int
+    decode_warps: int
+    decode_stages: int
+    decode_waves: int
+
+
+def default_config(head_dim: int) -> AttentionConfig:
+    if head_dim > 128:
+        return AttentionConfig(64, 32, 4, 2, 32, 4, 2, 8)
+    return AttentionConfig(128, 64, 8, 3, 64, 4, 3, 8)
+
+
+@triton.jit
+def _attend(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    kv_head_offset,
+    lo,
+    hi,
+    q_pos,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Online-softmax attention of q over keys [lo, hi) gathered from the paged cache.
+
+    With CAUSAL, key n is visible to row r only if n <= q_pos[r], and pages past `hi` are
+    never looked up; without it every key in range is visible and [lo, hi) is whole tiles.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n
+        if CAUSAL:
+            page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n < hi, other=0)
+        else:
+            page = tl.load(table_ptr + n // BLOCK_SIZE)
+        offs = page.to(tl.int64)[:, None] * stride_kb + ((n % BLOCK_SIZE) * stride_ks + kv_head_offset)[:, None]
+        k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if CAUSAL:
+            qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        v = tl.load(v_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_context(
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    kv_head_offset,
+    lo,
+    full_end,
+    hi,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Attention over keys [lo, hi): [lo, full_end) unmasked, [full_end, hi) masked by q_pos."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = _attend(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        table_ptr,
+        kv_head_offset,
+        lo,
+        full_end,
+        q_pos,
+        qk_scale,
+        stride_kb,
+        stride_ks,
+        BLOCK_N,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        False,
+    )
+    acc, l_i, m_i = _attend(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_cache_ptr,
+        v_cache_ptr,
+        table_ptr,
+        kv_head_offset,
+        full_end,
+        hi,
+        q_pos,
+        qk_scale,
+        stride_kb,
+        stride_ks,
+        BLOCK_N,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        True,
+    )
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_partial_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_splits,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    full_end = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+
+    g = tl.arange(0, ROWS)
+    head = kv_head * GROUP + g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=(g < GROUP)[:, None],
+        other=0.0,
+    )
+    q_pos = tl.full([ROWS], 0, tl.int32) + hi - 1
+    acc, l_i, m_i = _attend_context(
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        kv_head * stride_kh,
+        lo,
+        full_end,
+        hi,
+        qk_scale,
+        stride_kb,
+        stride_ks,
+        ROWS,
+        BLOCK_N,
+        BLOCK_SIZE,
+        HEAD_DIM,
+    )
+    nonempty = l_i > 0
+    lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), EMPTY_LSE)
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    part = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split
+    tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
+    tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=(g < GROUP)[:, None])
+
+
+@triton.jit
+def _merge_splits(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    seq,
+    token,
+    kv_head,
+    num_kv_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """out[token] = the split partials of one decode sequence's query heads, weighted by their sum-exp."""
+    g = tl.arange(0, GROUP_P)
+    head = kv_head * GROUP + g
+    mask = g < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    first = (seq * num_kv_heads * GROUP + head) * num_splits
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    den = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + first + s, mask=mask, other=0.0)
+        o = tl.load(part_out_ptr + (first + s).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None])
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        den = den * alpha + w
+        m = m_new
+    out = acc / den[:, None]
+    ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
+def _first_tile(query_start_loc_ptr, seq, BLOCK_Q: tl.constexpr):
+    """Index of sequence `seq`'s first query tile in the flat tile order."""
+    return tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first tile is <= `tile` (num_seqs for tiles past every sequence)."""
+    lo = tl.zeros([], tl.int32)
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _first_tile(query_start_loc_ptr, mid, BLOCK_Q) <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+def _attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_seqs,
+    num_tokens,
+    num_splits,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + rows % GROUP_P
+    head_ok = rows % GROUP_P < GROUP
+    q_start = tl.load(query_start_loc_ptr + seq)
+    local = (tile - _first_tile(query_start_loc_ptr, seq, BLOCK_Q)) * BLOCK_Q
+    token = q_start + local + rows // GROUP_P
+    if seq == num_seqs:  # padding tokens past the last sequence read as zeros
+        mask = (head_ok & (token < num_tokens))[:, None]
+        ptrs = out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty), mask=mask)
+        return
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if local >= q_len:
+        return
+    if q_len == 1:
+        _merge_splits(
+            part_out_ptr,
+            part_lse_ptr,
+            out_ptr,
+            seq,
+            q_start,
+            kv_head,
+            tl.num_programs(1),
+            num_splits,
+            stride_ot,
+            stride_oh,
+            GROUP,
+            GROUP_P,
+            HEAD_DIM,
+        )
+        return
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # keys cached before this chunk
+    row_ok = head_ok & (local + rows // GROUP_P < q_len)
+    q_pos = context + local + rows // GROUP_P
+    row_offs = token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + row_offs, mask=row_ok[:, None], other=0.0)
+    first_pos = context + local
+    hi = context + tl.minimum(local + BLOCK_Q, q_len)
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row sees every key before this
+    acc, l_i, m_i = _attend_context(
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        kv_head * stride_kh,
+        0,
+        full_end,
+        hi,
+        qk_scale,
+        stride_kb,
+        stride_ks,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_SIZE,
+        HEAD_DIM,
+    )
+    out = acc / l_i[:, None]
+    out_offs = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, so tests cover the merge
+
+
+def run_paged_attention(
+    q: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    config: AttentionConfig,
+) -> Tensor:
+    """`paged_attention` with explicit tile sizes (the benchmark sweeps them)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if head_dim < 16 or head_dim & (head_dim - 1) or kv_cache.shape[4] != head_dim:
+        raise ValueError(f"triton paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
+    if kv_cache.stride(4) != 1 or q.stride(2) != 1:
+        raise ValueError("triton paged attention needs q and the KV cache contiguous along head_dim")
+    group = num_q_heads // num_kv_heads
+    num_seqs = query_start_loc.shape[0] - 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out.zero_()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    group_p = triton.next_power_of_2(group)
+    qk_scale = scale * LOG2E
+    num_splits = min(MAX_SPLITS, triton.cdiv(config.decode_waves * _multiprocessors(q.device), num_seqs * num_kv_heads))
+    part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    common = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP=group)
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        num_splits,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        ROWS=max(16, group_p),
+        BLOCK_N=config.decode_block_n,
+        **common,
+        num_warps=config.decode_warps,
+        num_stages=config.decode_stages,
+    )
+    block_q = max(1, config.block_m // group_p)
+    _attention_kernel[(triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        num_seqs,
+        num_tokens,
+        num_splits,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP_P=group_p,
+        BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        **common,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+@register_impl("paged_attention", "triton")
+def paged_attention(
+    q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+) -> Tensor:
+    return run_paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, default_config(q.shape[-1]))

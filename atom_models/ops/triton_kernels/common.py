@@ -1,0 +1,50 @@
+"""Helpers shared by the row-wise kernels: dtype mapping, launch sizes, the fp8 row quantizer."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_models.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    FP8_DTYPE: tl.float8e4nv,
+}
+
+# As constexpr globals, so kernels see the same values the reference uses.
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+MIN_SCALE_C = tl.constexpr(MIN_SCALE)
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Triton's name for a torch dtype; kernels round intermediates to it like torch ops would."""
+    if dtype not in TL_DTYPES:
+        raise TypeError(f"the triton backend does not handle dtype {dtype}")
+    return TL_DTYPES[dtype]
+
+
+def row_launch(n_cols: int) -> tuple[int, int]:
+    """(block, num_warps) for a kernel that holds one whole row in registers: ~8 elements a thread."""
+    block = triton.next_power_of_2(n_cols)
+    return block, min(16, max(1, block // 256))
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [rows, last_dim] view with unit stride along the row (copies only if it must)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+@triton.jit
+def store_fp8_row(y, mask, q_ptr, scale_ptr):
+    """Quantize the fp32 row `y` to e4m3 with one dynamic scale, as the reference does."""
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    scale = tl.maximum(amax / FP8_MAX_C, MIN_SCALE_C)
+    q = tl.clamp(y / scale, -FP8_MAX_C, FP8_MAX_C)
+    tl.store(q_ptr, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)

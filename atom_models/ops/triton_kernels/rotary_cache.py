@@ -1,0 +1,246 @@
+"""Rotary embedding and KV-cache writes, fused: one program handles every head of one token.
+
+One kernel serves four ops, chosen by constexpr flags: `rotary_embedding` (rotate q and k),
+`reshape_and_cache` (k and v into the paged cache), `rope_and_cache` (rotate, then cache k
+and v) and `qk_norm_rope_and_cache` (per-head RMSNorm first). Fused, q/k/v are read once
+and the rotated k never round-trips through memory. Inputs may be strided views (slices of
+a fused qkv projection); only the last dimension must be contiguous.
+
+Every head is handled as two halves [heads, head_dim / 2], as neox-style rotation pairs
+element i with element i + head_dim / 2. Roundings follow the reference: cos/sin and each
+product and sum are rounded to the activation dtype, as HF's torch ops round them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from atom_models.ops.backend import register_impl
+from atom_models.ops.triton_kernels.common import tl_dtype
+
+
+@triton.jit
+def _load_halves(row_ptr, heads, cols, mask, stride_h, HALF: tl.constexpr):
+    ptrs = row_ptr + heads[:, None] * stride_h + cols[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_halves(row_ptr, x1, x2, heads, cols, mask, stride_h, HALF: tl.constexpr):
+    ptrs = row_ptr + heads[:, None] * stride_h + cols[None, :]
+    dtype = row_ptr.dtype.element_ty
+    tl.store(ptrs, x1.to(dtype), mask=mask)
+    tl.store(ptrs + HALF, x2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rms_norm_halves(
+    x1, x2, w_ptr, cols, col_mask, eps, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, HALF: tl.constexpr
+):
+    """Per-head RMSNorm over both halves, rounded like `rms_norm_reference`."""
+    rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y1 = ((x1 * rstd).to(IN_DTYPE).to(tl.float32) * w1).to(OUT_DTYPE).to(tl.float32)
+    y2 = ((x2 * rstd).to(IN_DTYPE).to(tl.float32) * w2).to(OUT_DTYPE).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """Neox rotation, x * cos + cat(-x2, x1) * sin, rounding each op to DTYPE."""
+    a1 = (x1 * cos).to(DTYPE).to(tl.float32)
+    a2 = (x2 * cos).to(DTYPE).to(tl.float32)
+    b1 = (-x2 * sin).to(DTYPE).to(tl.float32)
+    b2 = (x1 * sin).to(DTYPE).to(tl.float32)
+    return (a1 + b1).to(DTYPE).to(tl.float32), (a2 + b2).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    Q_HEADS_P: tl.constexpr,
+    KV_HEADS_P: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    K_OUT: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, HALF_P)
+    col_mask = cols < HALF
+    kv_heads = tl.arange(0, KV_HEADS_P)
+    kv_mask = (kv_heads < NUM_KV_HEADS)[:, None] & col_mask[None, :]
+    k1, k2 = _load_halves(k_ptr + t * stride_kt, kv_heads, cols, kv_mask, stride_kh, HALF)
+    if ROPE:
+        q_heads = tl.arange(0, Q_HEADS_P)
+        q_mask = (q_heads < NUM_Q_HEADS)[:, None] & col_mask[None, :]
+        q1, q2 = _load_halves(q_ptr + t * stride_qt, q_heads, cols, q_mask, stride_qh, HALF)
+        if QK_NORM:
+            q1, q2 = _rms_norm_halves(q1, q2, q_w_ptr, cols, col_mask, eps, IN_DTYPE, ACT_DTYPE, HALF)
+            k1, k2 = _rms_norm_halves(k1, k2, k_w_ptr, cols, col_mask, eps, IN_DTYPE, ACT_DTYPE, HALF)
+        cos_ptr = cos_sin_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_cos + cols
+        cos = tl.load(cos_ptr, mask=col_mask, other=0.0).to(ACT_DTYPE).to(tl.float32)[None, :]
+        sin = tl.load(cos_ptr + HALF, mask=col_mask, other=0.0).to(ACT_DTYPE).to(tl.float32)[None, :]
+        q1, q2 = _rotate(q1, q2, cos, sin, ACT_DTYPE)
+        k1, k2 = _rotate(k1, k2, cos, sin, ACT_DTYPE)
+        _store_halves(q_out_ptr + t * stride_qot, q1, q2, q_heads, cols, q_mask, stride_qoh, HALF)
+    if K_OUT:
+        _store_halves(k_out_ptr + t * stride_kot, k1, k2, kv_heads, cols, kv_mask, stride_koh, HALF)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+            _store_halves(k_cache_ptr + offset, k1, k2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
+            v1, v2 = _load_halves(v_ptr + t * stride_vt, kv_heads, cols, kv_mask, stride_vh, HALF)
+            _store_halves(v_cache_ptr + offset, v1, v2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
+
+
+def _unit_last(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rope_cache(
+    positions: Tensor | None,
+    q: Tensor | None,
+    k: Tensor,
+    v: Tensor | None,
+    cos_sin_cache: Tensor | None,
+    norm_weights: tuple[Tensor, Tensor] | None,
+    eps: float,
+    kv_cache: Tensor | None,
+    slot_mapping: Tensor | None,
+    k_out: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Launch the fused kernel; q is rotated when given. Returns (rotated q, rotated k if k_out)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if head_dim % 2:
+        raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+    k = _unit_last(k)
+    rope = q is not None
+    q = _unit_last(q) if rope else k
+    v = _unit_last(v) if v is not None else k
+    in_dtype = q.dtype
+    act_dtype = torch.promote_types(in_dtype, norm_weights[0].dtype) if norm_weights is not None else in_dtype
+    q_out = torch.empty(q.shape, dtype=act_dtype, device=q.device) if rope else None
+    k_rot = torch.empty(k.shape, dtype=act_dtype, device=k.device) if k_out else None
+    caches = (kv_cache[0], kv_cache[1]) if kv_cache is not None else (k, k)
+    q_w, k_w = norm_weights if norm_weights is not None else (k, k)
+    dummy_int = slot_mapping if slot_mapping is not None else positions
+    heads_q = q.shape[1]
+    if num_tokens:
+        _rope_cache_kernel[(num_tokens,)](
+            positions if rope else dummy_int,
+            q,
+            k,
+            v,
+            cos_sin_cache if rope else k,
+            q_w,
+            k_w,
+            q_out if rope else k,
+            k_rot if k_out else k,
+            caches[0],
+            caches[1],
+            slot_mapping if slot_mapping is not None else positions,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            q_out.stride(0) if rope else 0,
+            q_out.stride(1) if rope else 0,
+            k_rot.stride(0) if k_out else 0,
+            k_rot.stride(1) if k_out else 0,
+            cos_sin_cache.stride(0) if rope else 0,
+            caches[0].stride(0),
+            caches[0].stride(1),
+            caches[0].stride(2),
+            eps,
+            NUM_Q_HEADS=heads_q,
+            NUM_KV_HEADS=num_kv_heads,
+            Q_HEADS_P=triton.next_power_of_2(heads_q),
+            KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
+            HALF=head_dim // 2,
+            HALF_P=triton.next_power_of_2(head_dim // 2),
+            BLOCK_SIZE=caches[0].shape[1] if kv_cache is not None else 1,
+            IN_DTYPE=tl_dtype(in_dtype),
+            ACT_DTYPE=tl_dtype(act_dtype),
+            ROPE=rope,
+            QK_NORM=norm_weights is not None,
+            K_OUT=k_out,
+            WRITE_CACHE=kv_cache is not None,
+            num_warps=4,
+        )
+    return q_out, k_rot
+
+
+@register_impl("rotary_embedding", "triton")
+def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
+    return _rope_cache(positions, q, k, None, cos_sin_cache, None, 0.0, None, None, k_out=True)
+
+
+@register_impl("reshape_and_cache", "triton")
+def reshape_and_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    _rope_cache(None, None, k, v, None, None, 0.0, kv_cache, slot_mapping, k_out=False)
+
+
+@register_impl("rope_and_cache", "triton")
+def rope_and_cache(
+    positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor, kv_cache: Tensor, slot_mapping: Tensor
+) -> Tensor:
+    return _rope_cache(positions, q, k, v, cos_sin_cache, None, 0.0, kv_cache, slot_mapping, k_out=False)[0]
+
+
+@register_impl("qk_norm_rope_and_cache", "triton")
+def qk_norm_rope_and_cache(
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    eps: float,
+    cos_sin_cache: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+) -> Tensor:
+    return _rope_cache(
+        positions, q, k, v, cos_sin_cache, (q_norm_weight, k_norm_weight), eps, kv_cache, slot_mapping, k_out=False
+    )[0]

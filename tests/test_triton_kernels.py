@@ -1,0 +1,332 @@
+"""Every Triton kernel against its plain-torch reference, on random inputs at odd sizes.
+
+Without a GPU the kernels run under Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1) on small fp32 inputs; on a GPU the same tests run in bf16, and the
+GPU-only cases add larger shapes. The kernels are called directly: the custom-op dispatch
+would send CPU tensors to the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_models.ops.activation import silu_and_mul_reference
+from atom_models.ops.attention import (
+    paged_attention_reference,
+    qk_norm_rope_and_cache_reference,
+    reshape_and_cache_reference,
+    rope_and_cache_reference,
+)
+from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from atom_models.ops.quant import (
+    FP8_DTYPE,
+    fused_add_rms_norm_quant_fp8_reference,
+    quant_fp8_per_token_reference,
+    rms_norm_quant_fp8_reference,
+    silu_and_mul_quant_fp8_reference,
+)
+from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_embedding_reference
+
+triton = pytest.importorskip("triton")
+from atom_models.ops.triton_kernels import activation, attention, norm, quant, rotary_cache  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# The interpreter multiplies bf16 tl.dot operands wrongly and rounds bf16 by truncation: fp32 there.
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+# Elementwise kernels round like the reference, so they differ only where fp32 math differs by an ulp
+# before rounding; attention rounds probabilities to DTYPE for the second product (flash attention does).
+TOL = 1e-2 if torch.bfloat16 == DTYPE else 1e-5
+ATTN_TOL = 2e-2 if torch.bfloat16 == DTYPE else 1e-5
+gpu_only = pytest.mark.skipif(not CUDA, reason="larger shapes need a CUDA device")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape, ref.dtype)
+    assert torch.isfinite(out.float()).all(), "non-finite output (unwritten or NaN)"
+    assert rel_err(out.float(), ref.float()) < tol, rel_err(out.float(), ref.float())
+
+
+def assert_fp8_close(out: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """fp8 values may differ by one step where rounding ties fall differently: compare dequantized."""
+    (q, scale), (q_ref, scale_ref) = out, ref
+    assert q.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == scale_ref.shape
+    assert_close(scale, scale_ref)
+    assert_close(q.float() * scale, q_ref.float() * scale_ref, tol=max(TOL, 1e-2))
+
+
+def poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Leave NaNs where the caching allocator will place the next output of this size."""
+    torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def randn(*shape: int, dtype: torch.dtype = DTYPE, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, dtype=torch.float32, device=DEVICE) * scale).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_fp8_casts_in_interpreter():
+    """Triton's interpreter rounds fp32 -> fp8 without carrying into the exponent (126.8 -> 64).
+
+    GPUs convert in hardware; under the interpreter, convert with torch instead so the
+    tests check the kernels, not that bug.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_convert_float", None)
+    if CUDA or original is None:
+        yield
+        return
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == triton.language.float8e4nv and input_dtype == triton.language.float32:
+            return torch.from_numpy(values).to(FP8_DTYPE).view(torch.uint8).numpy()
+        return original(values, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert
+    yield
+    interpreter._convert_float = original
+
+
+NORM_SHAPES = [(7, 40), (1, 16)] + ([(37, 4096), (3, 5, 1000)] if CUDA else [])
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm(shape):
+    x, w = randn(*shape, scale=3.0), randn(shape[-1])
+    poison_allocator(x.shape, x.dtype)
+    assert_close(norm.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+    assert_fp8_close(norm.rms_norm_quant_fp8(x, w, 1e-6), rms_norm_quant_fp8_reference(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_fused_add_rms_norm(shape):
+    x, res, w = randn(*shape), randn(*shape), randn(shape[-1])
+    out, summed = norm.fused_add_rms_norm(x, res, w, 1e-5)
+    out_ref, summed_ref = fused_add_rms_norm_reference(x, res, w, 1e-5)
+    assert_close(out, out_ref)
+    assert_close(summed, summed_ref, tol=1e-6 if torch.float32 == DTYPE else TOL)
+    *quantized, summed = norm.fused_add_rms_norm_quant_fp8(x, res, w, 1e-5)
+    *quantized_ref, summed_ref = fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-5)
+    assert_fp8_close(tuple(quantized), tuple(quantized_ref))
+    assert_close(summed, summed_ref)
+
+
+def test_rms_norm_strided_rows():
+    x = randn(9, 64)[:, :48]  # rows 64 apart
+    w = randn(48)
+    assert_close(norm.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("shape", [(7, 2 * 48), (1, 2 * 20)] + ([(37, 2 * 5000), (2, 3, 2 * 1400)] if CUDA else []))
+def test_silu_and_mul(shape):
+    x = randn(*shape, scale=2.0)
+    poison_allocator((*shape[:-1], shape[-1] // 2), x.dtype)
+    assert_close(activation.silu_and_mul(x), silu_and_mul_reference(x))
+    assert_fp8_close(activation.silu_and_mul_quant_fp8(x), silu_and_mul_quant_fp8_reference(x))
+
+
+@pytest.mark.parametrize("shape", [(7, 40), (5, 3, 24)] + ([(37, 4096)] if CUDA else []))
+def test_quant_fp8_per_token(shape):
+    x = randn(*shape, scale=5.0)
+    x[0] = 0  # an all-zero row takes the scale floor
+    q, scale = quant.quant_fp8_per_token(x)
+    q_ref, scale_ref = quant_fp8_per_token_reference(x)
+    assert torch.equal(scale[0], scale_ref[0]) and torch.equal(q[0].float(), q_ref[0].float())
+    assert_fp8_close((q, scale), (q_ref, scale_ref))
+
+
+def fused_qkv(tokens: int, q_heads: int, kv_heads: int, head_dim: int):
+    """q, k, v as [tokens, heads, head_dim] views into one fused projection, as models slice them."""
+    qkv = randn(tokens, (q_heads + 2 * kv_heads) * head_dim)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+
+
+def rope_table(head_dim: int, max_positions: int = 300) -> torch.Tensor:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return rope_cos_sin_cache(rope_inv_freq(head_dim, 10000.0, scaling), max_positions).to(DEVICE)
+
+
+ROPE_CASES = [(7, 4, 2, 16), (5, 3, 3, 32), (6, 8, 2, 12)] + ([(37, 32, 8, 128), (19, 16, 4, 64)] if CUDA else [])
+
+
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", ROPE_CASES)
+def test_rotary_embedding(tokens, q_heads, kv_heads, head_dim):
+    q, k, _ = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    table = rope_table(head_dim)
+    positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
+    q_out, k_out = rotary_cache.rotary_embedding(positions, q, k, table)
+    q_ref, k_ref = rotary_embedding_reference(positions, q, k, table)
+    assert_close(q_out, q_ref)
+    assert_close(k_out, k_ref)
+
+
+def kv_cache_and_slots(tokens: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+    """A random (not zero) cache and scattered slots, two of them -1 (padding)."""
+    num_blocks = tokens // block_size + 3
+    cache = randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots[1] = -1
+    slots[-1] = -1
+    return cache, slots
+
+
+CACHE_DTYPES = [DTYPE, FP8_DTYPE]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", ROPE_CASES)
+def test_reshape_and_cache(tokens, q_heads, kv_heads, head_dim, cache_dtype):
+    _, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    cache, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 4, cache_dtype)
+    expected = cache.clone()
+    rotary_cache.reshape_and_cache(k, v, cache, slots)
+    reshape_and_cache_reference(k, v, expected, slots)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", ROPE_CASES)
+def test_rope_and_cache(tokens, q_heads, kv_heads, head_dim, cache_dtype):
+    q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    table = rope_table(head_dim)
+    positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
+    cache, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 8, cache_dtype)
+    expected = cache.clone()
+    q_out = rotary_cache.rope_and_cache(positions, q, k, v, table, cache, slots)
+    q_ref = rope_and_cache_reference(positions, q, k, v, table, expected, slots)
+    assert_close(q_out, q_ref)
+    assert_close(cache, expected)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", ROPE_CASES)
+def test_qk_norm_rope_and_cache(tokens, q_heads, kv_heads, head_dim, cache_dtype):
+    q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    q_w, k_w = randn(head_dim), randn(head_dim)
+    table = rope_table(head_dim)
+    positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
+    cache, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 8, cache_dtype)
+    expected = cache.clone()
+    args = (positions, q, k, v, q_w, k_w, 1e-6, table)
+    q_out = rotary_cache.qk_norm_rope_and_cache(*args, cache, slots)
+    q_ref = qk_norm_rope_and_cache_reference(*args, expected, slots)
+    assert_close(q_out, q_ref)
+    assert_close(cache, expected)
+
+
+def attention_batch(
+    lens: list[tuple[int, int]], q_heads: int, kv_heads: int, head_dim: int, block_size: int, padding: int, kv_dtype
+):
+    """A mixed batch: (query_len, seq_len) per sequence, scattered blocks, `padding` tokens at the end."""
+    max_blocks = max(-(-seq_len // block_size) for _, seq_len in lens) + 2
+    num_blocks = len(lens) * max_blocks + 5
+    order = torch.randperm(num_blocks, device=DEVICE)
+    block_tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32, device=DEVICE)  # unused entries 0
+    for i, (_, seq_len) in enumerate(lens):
+        n = -(-seq_len // block_size)
+        block_tables[i, :n] = order[i * max_blocks : i * max_blocks + n].int()
+    cache = randn(2, num_blocks, block_size, kv_heads, head_dim).to(kv_dtype)
+    query_lens = torch.tensor([q for q, _ in lens])
+    query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32).to(DEVICE)
+    seq_lens = torch.tensor([s for _, s in lens], dtype=torch.int32, device=DEVICE)
+    tokens = int(query_lens.sum()) + padding
+    # q as a strided view of a wider tensor, as attention gets it from a fused projection.
+    q = randn(tokens, q_heads + kv_heads, head_dim)[:, :q_heads]
+    return q, cache, block_tables, seq_lens, query_start_loc
+
+
+# (query_len, seq_len): fresh prefill, decode, chunk with cached context, one-token sequence,
+# an empty sequence (query_len 0), a decode whose context ends exactly on a block boundary.
+MIXED = [(5, 5), (1, 23), (4, 19), (1, 1), (0, 7), (1, 16), (9, 30)]
+ATTN_CASES = [
+    # q_heads, kv_heads, head_dim, block_size, batch
+    (4, 4, 16, 4, MIXED),
+    (4, 2, 32, 16, MIXED),
+    (8, 2, 16, 8, MIXED),
+    (2, 1, 16, 16, [(1, 37)]),
+    (4, 2, 16, 4, [(13, 13), (3, 40)]),
+]
+
+
+def check_attention(q_heads, kv_heads, head_dim, block_size, lens, padding=3, kv_dtype=DTYPE, tol=ATTN_TOL):
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, q_heads, kv_heads, head_dim, block_size, padding, kv_dtype)
+    scale = head_dim**-0.5
+    poison_allocator(q.shape, q.dtype)
+    out = attention.paged_attention(q, cache, tables, seq_lens, qsl, scale)
+    ref = paged_attention_reference(q, cache, tables, seq_lens, qsl, scale)
+    real = int(qsl[-1])
+    assert torch.equal(out[real:], torch.zeros_like(out[real:])), "padding tokens must read as zeros"
+    assert_close(out, ref, tol)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,lens", ATTN_CASES)
+def test_paged_attention(q_heads, kv_heads, head_dim, block_size, lens):
+    check_attention(q_heads, kv_heads, head_dim, block_size, lens)
+
+
+def test_paged_attention_fp8_cache():
+    check_attention(4, 2, 32, 16, MIXED, kv_dtype=FP8_DTYPE)
+
+
+def test_paged_attention_writes_then_reads_cache():
+    """unified_attention's order: reshape_and_cache the new tokens, then attend over them."""
+    lens = [(6, 6), (1, 11), (3, 14)]
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, 4, 2, 16, 4, 0, DTYPE)
+    k, v = randn(q.shape[0], 2, 16), randn(q.shape[0], 2, 16)
+    positions = torch.cat([torch.arange(s - n, s) for n, s in lens]).to(DEVICE)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([n for n, _ in lens])).to(DEVICE)
+    slots = tables[seq_of_token, positions // 4].long() * 4 + positions % 4
+    expected = cache.clone()
+    rotary_cache.reshape_and_cache(k, v, cache, slots)
+    reshape_and_cache_reference(k, v, expected, slots)
+    out = attention.paged_attention(q, cache, tables, seq_lens, qsl, 0.25)
+    assert_close(out, paged_attention_reference(q, expected, tables, seq_lens, qsl, 0.25), ATTN_TOL)
+
+
+@gpu_only
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_heads,kv_heads", [(32, 8), (16, 16), (28, 4)])
+def test_paged_attention_gpu_shapes(q_heads, kv_heads, head_dim):
+    lens = [(300, 300), (1, 1500), (77, 1100), (1, 33), (1, 4097), (129, 129), (2, 900)]
+    check_attention(q_heads, kv_heads, head_dim, 16, lens, padding=5)
+
+
+@gpu_only
+def test_paged_attention_gpu_fp8_cache_and_big_blocks():
+    lens = [(200, 700), (1, 2049), (1, 64), (64, 64)]
+    check_attention(32, 8, 128, 16, lens, kv_dtype=FP8_DTYPE)
+    check_attention(32, 8, 128, 128, lens)
+
+
+@gpu_only
+def test_paged_attention_gpu_cuda_graph():
+    """Captured once, replayed with other lengths: no host sync, sizes from shapes alone."""
+    lens = [(1, 1000), (1, 5), (1, 2000), (1, 300)]
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, 32, 8, 128, 16, 2, DTYPE)
+    attention.paged_attention(q, cache, tables, seq_lens, qsl, 0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.paged_attention(q, cache, tables, seq_lens, qsl, 0.1)
+    seq_lens.copy_(torch.tensor([700, 6, 1500, 301], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 0.1), ATTN_TOL)
