@@ -10,12 +10,13 @@ queue; updates come back with `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -136,6 +137,12 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._fail_request, args[0], error)
             elif kind == "abort":
                 self.core.abort(*args)
+            elif kind == "call":
+                fn, future = args
+                try:
+                    future.set_result(fn())
+                except Exception as error:  # noqa: BLE001  (handed back to the caller)
+                    future.set_exception(error)
             elif kind == "stop":
                 self._stopping = True
             try:
@@ -215,6 +222,14 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", (request_id,)))
+
+    async def call_in_core(self, fn: Callable[[], object]) -> object:
+        """Runs `fn` on the core thread between two steps, for thread-bound tools such as torch.profiler."""
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
 
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
         now = time.monotonic()

@@ -1,0 +1,108 @@
+"""`atom-run`: serve a model over HTTP, or generate once from the command line.
+
+    atom-run serve MODEL [--host H] [--port P] [--api-key K] [--served-model-name NAME] [engine flags]
+    atom-run generate MODEL (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--json] [engine flags]
+
+MODEL is a model directory (or a compiled artifact directory); it goes to `create_engine` as is.
+Bad input is a one-line error and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import uvloop
+
+from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
+from atom_runtime.loading import create_engine
+from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.server.api_server import run_server
+from atom_runtime.server.profiler import EngineProfiler
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, without argparse's usage block
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="atom-run", description="Serve or run an LLM with atom.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", type=Path, help="model or artifact directory")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("ATOM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $ATOM_API_KEY)",
+    )
+    serve.add_argument("--served-model-name", help="the model name clients use (default: the directory's name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(serve)
+
+    generate = commands.add_parser("generate", help="generate once and print the result")
+    generate.add_argument("model", type=Path, help="model or artifact directory")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-token-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    generate.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens)
+    generate.add_argument("--temperature", type=float, default=SamplingParams.temperature)
+    generate.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
+    add_engine_args(generate)  # its --seed also seeds this request's sampling
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.model.exists():
+        parser.error(f"model directory {str(args.model)!r} does not exist")
+    try:
+        if args.command == "serve":
+            run_server(args)
+        else:
+            uvloop.run(_generate(args))
+    except (ValueError, OSError) as error:  # InvalidRequestError is a ValueError
+        parser.error(str(error))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    engine = create_engine(args.model, **create_engine_kwargs(args))
+    profiler = None
+    try:
+        if args.torch_profiler_dir is not None:
+            profiler = EngineProfiler(engine, args.torch_profiler_dir)
+            await profiler.start()
+        async for output in engine.generate(args.prompt, params, prompt_token_ids=args.prompt_token_ids):
+            final = output
+        if profiler is not None:
+            print(f"trace written to {await profiler.stop()}", file=sys.stderr)
+    finally:
+        engine.shutdown()
+    completion = final.outputs[0]
+    if args.json:
+        print(
+            json.dumps(
+                {"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}
+            )
+        )
+    else:
+        print(completion.text)

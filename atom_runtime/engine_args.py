@@ -1,0 +1,75 @@
+"""The engine's command-line flags (ATOM's and vLLM's names), shared by `atom-run serve` and `generate`.
+
+Each `EngineConfig` field has one flag here, with the field's default; `create_engine_kwargs`
+turns parsed flags back into `create_engine` arguments, field by field, so a flag list
+exists only once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from atom_runtime.config import KV_CACHE_DTYPES, EngineConfig
+
+_DEFAULTS = EngineConfig()
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", default="auto", help="weight and activation dtype (auto: the checkpoint's)")
+    group.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
+    group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")
+    group.add_argument(
+        "--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="context length (default: the model's)"
+    )
+    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="sequences per step")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="tokens per step"
+    )
+    group.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV-cache block")
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=_DEFAULTS.gpu_memory_utilization,
+        help="fraction of GPU memory for weights, activations and KV cache",
+    )
+    group.add_argument(
+        "--num-kvcache-blocks",
+        type=int,
+        default=_DEFAULTS.num_kvcache_blocks,
+        help="KV-cache blocks (default: sized from free memory)",
+    )
+    group.add_argument(
+        "--cpu-kvcache-space-gib",
+        type=float,
+        default=_DEFAULTS.cpu_kvcache_space_gib,
+        help="KV-cache size when running on CPU",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.enable_prefix_caching,
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_DEFAULTS.kv_cache_dtype)
+    group.add_argument(
+        "--max-logprobs", type=int, default=_DEFAULTS.max_logprobs, help="most logprobs a request may ask for"
+    )
+    group.add_argument(
+        "--enforce-eager", action="store_true", default=_DEFAULTS.enforce_eager, help="never capture CUDA graphs"
+    )
+    group.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="random seed")
+    group.add_argument(
+        "--torch-profiler-dir", default=None, help="where /start_profile and /stop_profile write torch.profiler traces"
+    )
+
+
+def create_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`create_engine` keyword arguments from flags added by `add_engine_args`.
+
+    Raises ValueError for settings `EngineConfig` refuses.
+    """
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return dict(dtype=args.dtype, device=args.device, load_dummy=args.load_dummy, config=config)

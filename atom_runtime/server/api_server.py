@@ -1,0 +1,145 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncEngine`, run by uvicorn on uvloop.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+/start_profile, /stop_profile. With an API key, every route but /health wants
+`Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.responses import JSONResponse, Response
+
+from atom_runtime.async_engine import AsyncEngine
+from atom_runtime.engine_args import create_engine_kwargs
+from atom_runtime.loading import create_engine
+from atom_runtime.server.errors import APIError, error_response, install_error_handlers
+from atom_runtime.server.profiler import EngineProfiler
+from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from atom_runtime.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+    """Parses the body ourselves rather than through FastAPI, to name the problem: not UTF-8, not
+    JSON, or which field is wrong (FastAPI answers 422 in its own shape)."""
+
+    async def parse(request: Request) -> M:
+        raw = await request.body()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"the request body is not valid UTF-8: {error}") from error
+        return model.model_validate_json(text)
+
+    return parse
+
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _api_key_check(api_key: str) -> Callable[..., Awaitable[None]]:
+    async def check(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
+            raise APIError(
+                HTTPStatus.UNAUTHORIZED,
+                "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def build_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    torch_profiler_dir: str | Path | None = None,
+    model_path: str | None = None,
+) -> FastAPI:
+    """The app for one engine; the caller owns the engine (and shuts it down)."""
+    serving = OpenAIServing(engine, served_model_name)
+    profiler = EngineProfiler(engine, torch_profiler_dir) if torch_profiler_dir is not None else None
+    app = FastAPI(title="atom", summary="OpenAI-compatible LLM server")
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            return error_response(
+                APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine has stopped", type="service_unavailable_error")
+            )
+        return Response(status_code=HTTPStatus.OK)
+
+    router = APIRouter(dependencies=[Depends(_api_key_check(api_key))] if api_key else [])
+
+    @router.post("/v1/completions")
+    async def completions(
+        raw: Request, request: Annotated[CompletionRequest, Depends(_body(CompletionRequest))]
+    ) -> Response:
+        return await serving.completions(request, raw)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(
+        raw: Request, request: Annotated[ChatCompletionRequest, Depends(_body(ChatCompletionRequest))]
+    ) -> Response:
+        return await serving.chat(request, raw)
+
+    @router.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, root=model_path, max_model_len=engine.max_model_len)])
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def need_profiler() -> EngineProfiler:
+        if profiler is None:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST, "profiling is off; start the server with --torch-profiler-dir DIR to enable it"
+            )
+        return profiler
+
+    @router.post("/start_profile")
+    async def start_profile() -> JSONResponse:
+        await need_profiler().start()
+        return JSONResponse({"status": "recording"})
+
+    @router.post("/stop_profile")
+    async def stop_profile() -> JSONResponse:
+        trace = await need_profiler().stop()
+        return JSONResponse({"status": "stopped", "trace": str(trace)})
+
+    app.include_router(router)
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`atom-run serve`: loads the model, serves until interrupted, then stops the engine."""
+    engine = create_engine(args.model, served_model_name=args.served_model_name, **create_engine_kwargs(args))
+    app = build_app(
+        engine,
+        engine.model_name,
+        api_key=args.api_key,
+        torch_profiler_dir=args.torch_profiler_dir,
+        model_path=str(args.model),
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,264 @@
+"""The OpenAI API on the wire: request and response bodies of /v1/completions and /v1/chat/completions.
+
+Requests are validated strictly (a string where a number belongs is an error, not a guess)
+and accept vLLM's extra sampling fields. Value ranges are checked by `SamplingParams` and
+the engine, which know the limits; these models only check shapes and types.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
+
+# Omit an optional field from the JSON when it is unset (extensions, usage of most stream chunks).
+_OMIT_NONE = dict(default=None, exclude_if=lambda value: value is None)
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as vLLM and OpenAI do; known ones must have the right type.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints, OpenAI's and vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # add the prompt's and each choice's token ids to the response
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")
+        defaults = SamplingParams
+        return SamplingParams(
+            n=self.n,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=defaults.repetition_penalty
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a request, each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        return list(prompt)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def template_input(self) -> dict[str, str]:
+        """The message as chat templates expect it: text parts joined with newlines, as vLLM does."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(**_OMIT_NONE)
+    prompt_token_ids: list[int] | None = Field(**_OMIT_NONE)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(**_OMIT_NONE)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(**_OMIT_NONE)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = Field(**_OMIT_NONE)
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Field(**_OMIT_NONE)
+    content: str | None = Field(**_OMIT_NONE)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(**_OMIT_NONE)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(**_OMIT_NONE)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "atom"
+    root: str | None = None  # where the model was loaded from; clients may load its tokenizer
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

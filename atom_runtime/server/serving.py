@@ -1,0 +1,396 @@
+"""From an OpenAI request to engine requests and back: the completions and chat endpoints' logic.
+
+Inputs are validated against the engine (`AsyncEngine.validate`) before a response starts,
+so a bad request gets a 4xx status even when it asked for a stream. Outputs come from
+`AsyncEngine.generate`, which yields cumulative outputs; streams send what is new since
+the last chunk. A client that goes away cancels the work, which closes the engine's
+iterators and so aborts the sequences and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TypeVar
+
+import jinja2
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response, StreamingResponse
+
+from atom_runtime.async_engine import AsyncEngine, EngineDeadError
+from atom_runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
+from atom_runtime.server.errors import APIError, as_api_error, error_body
+from atom_runtime.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+T = TypeVar("T")
+
+# Logprobs too small for a float in JSON (-inf) are sent as this, as vLLM does.
+_MIN_LOGPROB = -9999.0
+# Status for a request whose client left before the answer (nginx's "client closed request").
+_CLIENT_CLOSED = 499
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # None when the client sent token ids
+    token_ids: list[int]
+
+
+@dataclass
+class _Delta:
+    """What one choice gained since the last chunk."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class _Sent:
+    chars: int = 0
+    tokens: int = 0
+    text_offset: int = 0  # legacy logprobs: where the next token's text starts
+    finished: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_name: str):
+        self.engine = engine
+        self.served_model_name = served_model_name
+
+    # ---- /v1/completions ---------------------------------------------------------------
+
+    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+        self._check_model(request.model)
+        params = request.sampling_params()
+        prompts = [self._prompt(p) for p in request.prompts()]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        outputs = self._generate(prompts, params, request_id)
+        if request.stream:
+            return _sse(self._completion_chunks(request, request_id, prompts, params, outputs))
+        finals = await _unless_disconnected(raw, _final_outputs(outputs, len(prompts)))
+        choices = []
+        for p, final in enumerate(finals):
+            for completion in final.outputs:
+                echo = self._prompt_text(prompts[p]) if request.echo else ""
+                choice = self._completion_choice(request, p * params.n + completion.index, _Sent(), completion, echo)
+                choice.prompt_token_ids = prompts[p].token_ids if request.return_token_ids else None
+                choices.append(choice)
+        body = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=_usage(finals))
+        return _json(body)
+
+    async def _completion_chunks(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[BaseModel]:
+        sent: dict[int, _Sent] = {}
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        async for p, output in outputs:
+            finals[p] = output
+            for completion in output.outputs:
+                index = p * params.n + completion.index
+                state = sent.get(index)
+                echo = ""
+                if state is None:
+                    state = sent[index] = _Sent()
+                    echo = self._prompt_text(prompts[p]) if request.echo else ""
+                choice = self._completion_choice(request, index, state, completion, echo)
+                if choice is not None:
+                    yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice])
+        if request.include_usage:
+            yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(finals))
+
+    def _completion_choice(
+        self, request: CompletionRequest, index: int, sent: _Sent, completion: CompletionOutput, echo: str
+    ) -> CompletionChoice | None:
+        """The choice's news since `sent` (everything, for a fresh `_Sent`), or None if there is none."""
+        delta = _advance(sent, index, completion, with_tokens=request.logprobs is not None or request.return_token_ids)
+        if delta is None:
+            return None
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=True):
+                chosen = entry[token_id]
+                token = chosen.decoded_token or ""
+                logprobs.tokens.append(token)
+                logprobs.token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
+                logprobs.top_logprobs.append(
+                    {lp.decoded_token or "": max(lp.logprob, _MIN_LOGPROB) for lp in entry.values()}
+                )
+                logprobs.text_offset.append(sent.text_offset)
+                sent.text_offset += len(token)
+        return CompletionChoice(
+            index=index,
+            text=echo + delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            token_ids=delta.token_ids if request.return_token_ids else None,
+        )
+
+    # ---- /v1/chat/completions ----------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(request.model)
+        params = request.sampling_params()
+        prompt = self._render_chat(request)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = self._generate([prompt], params, request_id)
+        if request.stream:
+            return _sse(self._chat_chunks(request, request_id, params, outputs))
+        (final,) = await _unless_disconnected(raw, _final_outputs(outputs, 1))
+        choices = []
+        for completion in final.outputs:
+            delta = _advance(_Sent(), completion.index, completion, with_tokens=True)
+            choices.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=AssistantMessage(content=delta.text),
+                    logprobs=self._chat_logprobs(delta, params),
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                    token_ids=delta.token_ids if request.return_token_ids else None,
+                )
+            )
+        body = ChatCompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=_usage([final]),
+            prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
+        )
+        return _json(body)
+
+    async def _chat_chunks(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        params: SamplingParams,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[BaseModel]:
+        def chunk(*choices: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=list(choices), usage=usage)
+
+        # As OpenAI does: every choice opens with the role, before any text.
+        for index in range(params.n):
+            yield chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
+        sent = [_Sent() for _ in range(params.n)]
+        with_tokens = params.logprobs is not None or request.return_token_ids
+        final = None
+        async for _, final in outputs:
+            for completion in final.outputs:
+                delta = _advance(sent[completion.index], completion.index, completion, with_tokens)
+                if delta is not None:
+                    yield chunk(
+                        ChatChunkChoice(
+                            index=delta.index,
+                            delta=Delta(content=delta.text or None),
+                            logprobs=self._chat_logprobs(delta, params),
+                            finish_reason=delta.finish_reason,
+                            stop_reason=delta.stop_reason,
+                            token_ids=delta.token_ids if request.return_token_ids else None,
+                        )
+                    )
+        if request.include_usage:
+            yield chunk(usage=_usage([final]))
+
+    def _render_chat(self, request: ChatCompletionRequest) -> _Prompt:
+        """The conversation through the model's chat template, ending where the assistant's turn begins."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                [m.template_input() for m in request.messages], add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateError as error:
+            raise InvalidRequestError(f"the chat template rejected the messages: {error}", "messages") from error
+        # The template writes the special tokens (BOS included) itself.
+        return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _chat_logprobs(delta: _Delta, params: SamplingParams) -> ChatLogprobs | None:
+        if delta.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=True):
+            top = sorted((lp for lp in entry.values() if lp.rank <= params.logprobs), key=lambda lp: lp.rank)
+            content.append(
+                TokenLogprob(**_top_logprob(entry[token_id]).model_dump(), top_logprobs=map(_top_logprob, top))
+            )
+        return ChatLogprobs(content=content)
+
+    # ---- shared ------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                HTTPStatus.NOT_FOUND,
+                f"the model '{model}' does not exist; this server serves '{self.served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _prompt(self, prompt: str | list[int]) -> _Prompt:
+        if isinstance(prompt, str):
+            return _Prompt(prompt, self.engine.tokenize(prompt))
+        return _Prompt(None, list(prompt))
+
+    def _prompt_text(self, prompt: _Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
+
+    def _generate(
+        self, prompts: list[_Prompt], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Checks every prompt now (so errors come before a response starts), then runs them all."""
+        if not self.engine.is_healthy:
+            raise EngineDeadError("the engine has stopped; see the server log")
+        for prompt in prompts:
+            self.engine.validate(prompt.token_ids, params)
+        return _merge(
+            [
+                self.engine.generate(p.text, params, prompt_token_ids=p.token_ids, request_id=f"{request_id}-{i}")
+                for i, p in enumerate(prompts)
+            ]
+        )
+
+
+def _advance(sent: _Sent, index: int, completion: CompletionOutput, with_tokens: bool) -> _Delta | None:
+    """Moves `sent` to the end of `completion`; returns what was new, or None if nothing a client would see."""
+    if sent.finished:
+        return None
+    text = completion.text[sent.chars :]
+    token_ids = completion.token_ids[sent.tokens :]
+    finish_reason = completion.finish_reason
+    if not text and finish_reason is None and not (with_tokens and token_ids):
+        return None  # only held-back text (a possible stop string, or bytes of an unfinished character)
+    logprobs = completion.logprobs[sent.tokens :] if completion.logprobs is not None else None
+    sent.chars, sent.tokens, sent.finished = len(completion.text), len(completion.token_ids), finish_reason is not None
+    return _Delta(index, text, token_ids, logprobs, finish_reason, completion.stop_reason)
+
+
+def _top_logprob(logprob: Logprob) -> TopLogprob:
+    token = logprob.decoded_token or ""
+    return TopLogprob(token=token, logprob=max(logprob.logprob, _MIN_LOGPROB), bytes=list(token.encode()))
+
+
+def _usage(finals: list[RequestOutput]) -> Usage:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    generated = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    cached = sum(f.metrics.num_cached_tokens for f in finals if f.metrics is not None)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=generated,
+        total_tokens=prompt + generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _sse(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`."""
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {event.model_dump_json()}\n\n"
+        except Exception as error:  # noqa: BLE001  (the status line is gone: the error travels as an event)
+            yield f"data: {error_body(as_api_error(error))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves the prompts' output streams as outputs arrive, tagged with their prompt index.
+
+    Leaving early (error, disconnect) cancels the readers, which closes the engine's iterators
+    and so aborts the unfinished requests.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def read(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as error:  # noqa: BLE001  (re-raised by the consumer)
+            queue.put_nowait((i, error))
+        else:
+            queue.put_nowait((i, None))
+
+    readers = [asyncio.ensure_future(read(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(readers)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
+async def _final_outputs(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * count
+    async for i, output in outputs:
+        finals[i] = output
+    return finals
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it if the client disconnects first (a non-streamed request has no
+    other way to notice: nothing is written to the socket until the end)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(_CLIENT_CLOSED, "the client disconnected before the response was ready")
+    return task.result()
