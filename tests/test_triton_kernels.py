@@ -200,7 +200,10 @@ def test_reshape_and_cache(tokens, q_heads, kv_heads, head_dim, cache_dtype):
     expected = cache.clone()
     rotary_cache.reshape_and_cache(k, v, cache, slots)
     reshape_and_cache_reference(k, v, expected, slots)
-    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    if cache_dtype == FP8_DTYPE:  # conversion to fp8 may round a tie differently from torch's
+        assert_close(cache, expected)
+    else:
+        assert torch.equal(cache, expected)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
@@ -281,6 +284,13 @@ def check_attention(q_heads, kv_heads, head_dim, block_size, lens, padding=3, kv
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,lens", ATTN_CASES)
 def test_paged_attention(q_heads, kv_heads, head_dim, block_size, lens):
     check_attention(q_heads, kv_heads, head_dim, block_size, lens)
+
+
+def test_paged_attention_many_sequences():
+    """More sequences than one search block of the tile kernel holds."""
+    lens = [(1, 3 + i % 17) for i in range(530)]
+    lens[300] = (6, 20)
+    check_attention(2, 1, 16, 4, lens)
 
 
 def test_paged_attention_fp8_cache():

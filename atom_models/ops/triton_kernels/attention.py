@@ -282,23 +282,18 @@ def _merge_splits(
 
 
 @triton.jit
-def _first_tile(query_start_loc_ptr, seq, BLOCK_Q: tl.constexpr):
-    """Index of sequence `seq`'s first query tile in the flat tile order."""
-    return tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq
+def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
+    """The last sequence whose first tile is <= `tile` (num_seqs for tiles past every sequence).
 
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last sequence whose first tile is <= `tile` (num_seqs for tiles past every sequence)."""
-    lo = tl.zeros([], tl.int32)
-    hi = lo + num_seqs
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _first_tile(query_start_loc_ptr, mid, BLOCK_Q) <= tile:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    First tiles never decrease along the batch, so that is the count of sequences starting at or
+    before `tile`, less one: a few wide loads instead of a chain of dependent ones.
+    """
+    count = tl.zeros([], tl.int32)
+    for start in range(0, num_seqs + 1, SEARCH):
+        seqs = start + tl.arange(0, SEARCH)
+        starts = tl.load(query_start_loc_ptr + seqs, mask=seqs <= num_seqs, other=0)
+        count += tl.sum(((starts // BLOCK_Q + seqs <= tile) & (seqs <= num_seqs)).to(tl.int32), axis=0)
+    return count - 1
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
@@ -335,14 +330,14 @@ def _attention_kernel(
     # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q, 512)
 
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + rows % GROUP_P
     head_ok = rows % GROUP_P < GROUP
     q_start = tl.load(query_start_loc_ptr + seq)
-    local = (tile - _first_tile(query_start_loc_ptr, seq, BLOCK_Q)) * BLOCK_Q
+    local = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within its sequence
     token = q_start + local + rows // GROUP_P
     if seq == num_seqs:  # padding tokens past the last sequence read as zeros
         mask = (head_ok & (token < num_tokens))[:, None]

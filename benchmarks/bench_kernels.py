@@ -1,0 +1,272 @@
+"""Triton kernel benchmark: attention against torch SDPA, row kernels against the reference, copy bandwidth.
+
+    python benchmarks/bench_kernels.py [--out bench_kernels.json] [--sweep]
+
+Shapes follow Llama-3-8B attention (GQA 32/8, head_dim 128, bf16). Ours reads K/V from the
+paged cache (block_size 16, blocks scattered); SDPA gets contiguous unpaged K/V.
+(1) causal prefill TFLOP/s (causal FLOPs: 2 * 2 * b * h * s^2 * d / 2);
+(2) decode KV-read TB/s (bytes of K and V of every context token), timed as CUDA-graph replays
+    over enough independent caches that no replay is served from L2;
+(3) device-to-device copy bandwidth (bytes read + written), the ceiling for (2) and for the row kernels.
+Times are medians of triton.testing.do_bench on random data. --sweep also times other tile configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from atom_models.ops import attention as attention_ops
+from atom_models.ops import norm as norm_ops
+from atom_models.ops import quant as quant_ops
+from atom_models.ops.activation import silu_and_mul_reference
+from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq
+from atom_models.ops.triton_kernels import activation, attention, norm, rotary_cache
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+# Decode replays touch at least this many bytes of KV, over several caches, so L2 (50 MB) can't serve them.
+MIN_DECODE_BYTES = 256 * 2**20
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def graph_ms(calls: list[Callable[[], object]]) -> float:
+    """Median time of one call, from replays of a CUDA graph that runs every call once."""
+    for call in calls:
+        call()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return median_ms(graph.replay) / len(calls)
+
+
+def copy_bandwidth() -> float:
+    """TB/s of a 1 GiB device-to-device copy, counting bytes read and written."""
+    src = torch.randn(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / median_ms(lambda: dst.copy_(src)) / 1e9
+
+
+def paged_batch(query_lens: list[int], seq_lens: list[int]):
+    """q, a random paged cache holding exactly these contexts in scattered blocks, and the metadata."""
+    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    cache = torch.randn(2, sum(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[start : start + n]
+        start += n
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(query_lens), Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    return q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), qsl
+
+
+def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backend: SDPBackend):
+    """SDPA on [b, h, s, d] tensors, with native GQA where the backend takes it, else K/V expanded.
+
+    Returns (call, kv_expanded)."""
+
+    def run(kk, vv, gqa):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa)
+
+    try:
+        run(k, v, True)
+        return (lambda: run(k, v, True)), False
+    except RuntimeError:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        run(k, v, False)
+        return (lambda: run(k, v, False)), True
+
+
+def bench_prefill(batch: int, seq: int, configs: list[attention.AttentionConfig]) -> list[dict]:
+    flops = 4 * batch * Q_HEADS * seq * seq * HEAD_DIM / 2
+    rows = []
+    q, cache, tables, seq_lens, qsl = paged_batch([seq] * batch, [seq] * batch)
+    scale = HEAD_DIM**-0.5
+    for config in configs:
+        ms = median_ms(partial(attention.run_paged_attention, q, cache, tables, seq_lens, qsl, scale, config))
+        rows.append(dict(kernel="ours (paged)", config=asdict(config), ms=ms, tflops=flops / ms / 1e9))
+    qb = q.view(batch, seq, Q_HEADS, HEAD_DIM).transpose(1, 2)
+    kb = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=DTYPE)
+    vb = torch.randn_like(kb)
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            call, expanded = sdpa_call(qb, kb, vb, True, backend)
+        except RuntimeError as exc:
+            rows.append(dict(kernel=name, error=str(exc).splitlines()[0]))
+            continue
+        ms = median_ms(call)
+        rows.append(dict(kernel=name + (" (K/V expanded)" if expanded else ""), ms=ms, tflops=flops / ms / 1e9))
+    for row in rows:
+        row.update(case=f"prefill {batch}x{seq}")
+    return rows
+
+
+def bench_decode(seq_lens: list[int], label: str, configs: list[attention.AttentionConfig], sdpa: bool) -> list[dict]:
+    kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
+    sets = max(1, math.ceil(MIN_DECODE_BYTES / kv_bytes))
+    batches = [paged_batch([1] * len(seq_lens), seq_lens) for _ in range(sets)]
+    rows = []
+    for config in configs:
+        calls = [partial(attention.run_paged_attention, *b, HEAD_DIM**-0.5, config) for b in batches]
+        ms = graph_ms(calls)
+        rows.append(dict(kernel="ours (paged)", config=asdict(config), ms=ms, tbps=kv_bytes / ms / 1e9))
+    del batches
+    if sdpa and len(set(seq_lens)) == 1:
+        ctx = seq_lens[0]
+        for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+            inputs = []
+            try:
+                for _ in range(sets):
+                    q = torch.randn(len(seq_lens), Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+                    k = torch.randn(len(seq_lens), KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=DTYPE)
+                    inputs.append(sdpa_call(q, k, torch.randn_like(k), False, backend))
+            except RuntimeError as exc:
+                rows.append(dict(kernel=name, error=str(exc).splitlines()[0]))
+                continue
+            expanded = inputs[0][1]
+            ms = graph_ms([call for call, _ in inputs])
+            read = kv_bytes * (Q_HEADS // KV_HEADS if expanded else 1)
+            rows.append(dict(kernel=name + (" (K/V expanded)" if expanded else ""), ms=ms, tbps=read / ms / 1e9))
+            del inputs
+    for row in rows:
+        row.update(case=f"decode {label}")
+    return rows
+
+
+def bench_row_kernels(copy_tbps: float) -> list[dict]:
+    """Row kernels at a prefill-sized step: achieved bandwidth, ours against the torch reference."""
+    tokens, hidden, inter = 8192, 4096, 14336
+    x, res = (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) for _ in range(2))
+    w = torch.randn(hidden, device="cuda", dtype=DTYPE)
+    gate_up = torch.randn(tokens, 2 * inter, device="cuda", dtype=DTYPE)
+    qkv = torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=DTYPE)
+    q, k, v = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))
+    table = rope_cos_sin_cache(rope_inv_freq(HEAD_DIM, 500000.0, None), 8192).cuda()
+    positions = torch.arange(tokens, device="cuda")
+    cache = torch.randn(2, tokens // BLOCK_SIZE, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    slots = torch.randperm(tokens, device="cuda")
+    act = 2  # bytes per bf16 element
+    cases = [
+        ("rms_norm", 2 * tokens * hidden * act, lambda: norm.rms_norm(x, w, 1e-6),
+         lambda: norm_ops.rms_norm_reference(x, w, 1e-6)),
+        ("fused_add_rms_norm_quant_fp8", tokens * hidden * (4 * act + 1),
+         lambda: norm.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6),
+         lambda: quant_ops.fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-6)),
+        ("silu_and_mul", 3 * tokens * inter * act, lambda: activation.silu_and_mul(gate_up),
+         lambda: silu_and_mul_reference(gate_up)),
+        ("silu_and_mul_quant_fp8", tokens * inter * (2 * act + 1), lambda: activation.silu_and_mul_quant_fp8(gate_up),
+         lambda: quant_ops.silu_and_mul_quant_fp8_reference(gate_up)),
+        ("rope_and_cache", 2 * qkv.numel() * act,
+         lambda: rotary_cache.rope_and_cache(positions, q, k, v, table, cache, slots),
+         lambda: attention_ops.rope_and_cache_reference(positions, q, k, v, table, cache, slots)),
+    ]  # fmt: skip
+    rows = []
+    for name, nbytes, ours, reference in cases:
+        ms, ref_ms = median_ms(ours), median_ms(reference)
+        tbps = nbytes / ms / 1e9
+        rows.append(
+            dict(case=name, kernel="ours", ms=ms, tbps=tbps, of_copy=tbps / copy_tbps, torch_reference_ms=ref_ms)
+        )
+    return rows
+
+
+def sweep_configs(base: attention.AttentionConfig) -> tuple[list, list]:
+    prefill = [base] + [
+        replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
+        for m, n, w, s in [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)]
+    ]
+    decode = [base] + [
+        replace(base, decode_block_n=n, decode_warps=w, decode_stages=s, decode_waves=waves)
+        for n, w, s, waves in [
+            (32, 4, 4, 8),
+            (64, 4, 2, 8),
+            (128, 4, 2, 8),
+            (64, 4, 3, 4),
+            (64, 4, 3, 16),
+            (32, 2, 3, 8),
+        ]
+    ]
+    return prefill, decode
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'case':<34}{'kernel':<34}{'ms':>9}{'TFLOP/s':>10}{'TB/s':>8}  config")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<34}{r['kernel']:<34}  error: {r['error'][:80]}")
+            continue
+        tflops = f"{r['tflops']:.0f}" if "tflops" in r else ""
+        tbps = f"{r['tbps']:.2f}" if "tbps" in r else ""
+        config = ",".join(str(v) for v in r["config"].values()) if "config" in r else ""
+        print(f"{r['case']:<34}{r['kernel']:<34}{r['ms']:>9.4f}{tflops:>10}{tbps:>8}  {config}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_kernels.json")
+    parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels needs a CUDA device")
+    torch.manual_seed(0)
+    base = attention.default_config(HEAD_DIM)
+    prefill_configs, decode_configs = sweep_configs(base) if args.sweep else ([base], [base])
+
+    copy_tbps = copy_bandwidth()
+    print(f"copy bandwidth: {copy_tbps:.2f} TB/s", flush=True)
+    rows = [dict(case="copy 1 GiB", kernel="torch copy_", ms=0.0, tbps=copy_tbps)]
+    rows += bench_prefill(8, 1024, prefill_configs)
+    rows += bench_prefill(1, 8192, [base])
+    gen = torch.Generator().manual_seed(1)
+    for batch, ctx in ((64, 2048), (128, 1536), (256, 1024)):
+        rows += bench_decode([ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True)
+        mixed = torch.randint(1024, 2049, (batch,), generator=gen).tolist()
+        rows += bench_decode(mixed, f"b{batch} ctx1024-2048", [base], sdpa=False)
+    rows += bench_decode([4096], "b1 ctx4096", decode_configs, sdpa=True)
+    rows += bench_row_kernels(copy_tbps)
+    print_table(rows)
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = dict(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        device=props.name,
+        multiprocessors=props.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        commit=commit or None,
+        copy_tbps=copy_tbps,
+    )
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
