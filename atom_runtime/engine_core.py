@@ -106,6 +106,7 @@ class EngineCore:
             if (index is None or seq.index == index) and not seq.finished:
                 self.scheduler.finish(seq, "abort")
         self._forget_if_done(request_id)
+        self._refresh_stats()  # no step may follow to do it, and the freed blocks must show
 
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self.sequences.get(request_id)
@@ -126,7 +127,9 @@ class EngineCore:
                 chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
             for row, chunk in enumerate(sampling):
                 updates.append(self._append_token(chunk.seq, sampled, row))
-        self._update_stats(time.perf_counter() - started)
+        self._refresh_stats()
+        self.stats.num_steps += 1
+        self.stats.step_time_s += time.perf_counter() - started
         return updates
 
     def _append_token(self, seq: Sequence, sampled, row: int) -> TokenUpdate:
@@ -158,7 +161,7 @@ class EngineCore:
             return "length", None
         return None, None
 
-    def _update_stats(self, step_time: float) -> None:
+    def _refresh_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
@@ -166,5 +169,3 @@ class EngineCore:
         s.prefix_cache_queries = self.block_manager.prefix_queries
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.num_preemptions = self.scheduler.num_preemptions
-        s.num_steps += 1
-        s.step_time_s += step_time

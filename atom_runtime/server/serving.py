@@ -144,9 +144,10 @@ class OpenAIServing:
                 token = chosen.decoded_token or ""
                 logprobs.tokens.append(token)
                 logprobs.token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
-                logprobs.top_logprobs.append(
-                    {lp.decoded_token or "": max(lp.logprob, _MIN_LOGPROB) for lp in entry.values()}
-                )
+                top: dict[str, float] = {}
+                for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens that decode alike: the likeliest
+                    top.setdefault(lp.decoded_token or "", max(lp.logprob, _MIN_LOGPROB))
+                logprobs.top_logprobs.append(top)
                 logprobs.text_offset.append(sent.text_offset)
                 sent.text_offset += len(token)
         return CompletionChoice(

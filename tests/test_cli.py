@@ -1,0 +1,160 @@
+"""`atom-run`: generate equals the offline API, serve answers over HTTP, and bad input is one line with exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from atom_runtime import LLM, EngineConfig, SamplingParams
+from atom_runtime.cli import build_parser, main
+from atom_runtime.engine_args import create_engine_kwargs
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["atom-run", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", block_size=4, seed=5)
+    yield llm
+    llm.shutdown()
+
+
+def test_generate_json_equals_llm(tiny_llama, llm):
+    run = run_cli(
+        "generate", str(tiny_llama), "--prompt", "Hello, world", "--max-tokens", "12", "--temperature", "0.8",
+        "--seed", "5", "--block-size", "4", "--device", "cpu", "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert set(got) == {"text", "token_ids", "finish_reason"}
+    expected = llm.generate("Hello, world", SamplingParams(temperature=0.8, max_tokens=12, seed=5))[0].outputs[0]
+    assert got == {"text": expected.text, "token_ids": expected.token_ids, "finish_reason": expected.finish_reason}
+
+
+def test_generate_token_ids_in_process(tiny_llama, llm, capsys):
+    argv = ["generate", str(tiny_llama), "--prompt-token-ids", "72,101,108", "--max-tokens", "6", "--temperature", "0"]
+    expected = llm.generate(
+        prompt_token_ids=[72, 101, 108], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+    )
+    main(argv + ["--json"])
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected[0].outputs[0].token_ids
+    main(argv)
+    assert capsys.readouterr().out == expected[0].outputs[0].text + "\n"
+
+
+def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
+    main(["generate", str(tiny_llama), "--prompt", "hi", "--max-tokens", "2", "--torch-profiler-dir", str(tmp_path)])
+    assert list(tmp_path.glob("*.pt.trace.json.gz"))
+    assert "trace written to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "/no/such/model", "--prompt", "x"], "does not exist"),
+        (["generate", "{model}"], "one of the arguments --prompt --prompt-token-ids is required"),
+        (["generate", "{model}", "--prompt", "x", "--prompt-token-ids", "1"], "not allowed with argument"),
+        (["generate", "{model}", "--prompt-token-ids", "1,x"], "comma-separated integers"),
+        (["generate", "{model}", "--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["generate", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "{model}", "--prompt", "x", "--block-size", "0"], "block_size must be positive"),
+        (["generate", "{model}", "--prompt", "x", "--kv-cache-dtype", "int3"], "invalid choice: 'int3'"),
+        (["generate", "{model}", "--prompt", "x", "--max-model-len", "99999"], "exceeds the model's"),
+        (["generate", "{model}", "--prompt", "x" * 20, "--max-model-len", "16"], "the prompt has 20 tokens"),
+        (["generate", "{model}", "--prompt-token-ids", "5000"], "outside the vocabulary"),
+        (["serve", "{model}", "--port", "http"], "invalid int value: 'http'"),
+        (["launch", "{model}"], "invalid choice: 'launch'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tiny_llama, capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        main([a.format(model=tiny_llama) for a in args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    *before, last = err.strip().splitlines()  # before: progress bars of weight loading, if it got that far
+    assert last.startswith("atom-run") and ": error: " in last and message in last
+    assert "Traceback" not in err and not any("error" in line for line in before)
+
+
+def test_bad_input_from_the_console_script(tiny_llama):
+    run = run_cli("generate", str(tiny_llama), "--prompt", "x", "--max-tokens", "-3")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == "atom-run: error: max_tokens must be at least 1, got -3"
+    assert "Traceback" not in run.stderr
+
+
+def test_engine_flags_cover_engine_config(tiny_llama):
+    """Each EngineConfig field is a flag, and flags reach the config."""
+    args = build_parser().parse_args(
+        ["serve", str(tiny_llama), "--max-model-len", "256", "--max-num-seqs", "3", "--max-num-batched-tokens", "64"]
+        + ["--block-size", "8", "--gpu-memory-utilization", "0.5", "--num-kvcache-blocks", "7"]
+        + ["--cpu-kvcache-space-gib", "0.25", "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8"]
+        + ["--max-logprobs", "5", "--enforce-eager", "--seed", "9", "--dtype", "float32", "--device", "cpu"]
+        + ["--load-dummy"]
+    )
+    kwargs = create_engine_kwargs(args)
+    assert kwargs["config"] == EngineConfig(
+        max_model_len=256,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        block_size=8,
+        gpu_memory_utilization=0.5,
+        num_kvcache_blocks=7,
+        cpu_kvcache_space_gib=0.25,
+        enable_prefix_caching=False,
+        kv_cache_dtype="fp8",
+        max_logprobs=5,
+        enforce_eager=True,
+        seed=9,
+    )
+    assert {k: v for k, v in kwargs.items() if k != "config"} == dict(dtype="float32", device="cpu", load_dummy=True)
+    defaults = create_engine_kwargs(build_parser().parse_args(["serve", str(tiny_llama)]))["config"]
+    assert defaults == EngineConfig()
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(args))
+
+
+def test_serve(tiny_llama):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        ["atom-run", "serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+        + ["--api-key", "k", "--served-model-name", "tiny-served", "--max-num-seqs", "4", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "tiny-served"
+        chat = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=headers,
+            json={"model": "tiny-served", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        os.kill(server.pid, signal.SIGINT)
+        server.wait(timeout=30)
+    assert server.returncode == 0

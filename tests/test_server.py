@@ -1,0 +1,569 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP.
+
+One server (uvicorn in a thread, on a free port) serves the module; the preemption test
+has its own with a KV pool that fits one request. The tiny model writes random bytes,
+so where outputs must be equal the tests compare token ids (the `return_token_ids`
+extension), not text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from atom_runtime.config import EngineConfig
+from atom_runtime.loading import create_engine
+from atom_runtime.server.api_server import build_app
+
+API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "tiny"
+MAX_NUM_SEQS = 64
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServerThread:
+    """uvicorn on 127.0.0.1, on a port the OS picks, in a daemon thread."""
+
+    def __init__(self, app):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, loop="uvloop", log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    engine = create_engine(
+        tiny_llama, device="cpu", served_model_name=MODEL, config=EngineConfig(block_size=4, max_num_seqs=MAX_NUM_SEQS)
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="module")
+def server(engine, profile_dir, tiny_llama):
+    app = build_app(engine, MODEL, api_key=API_KEY, torch_profiler_dir=profile_dir, model_path=str(tiny_llama))
+    server = ServerThread(app)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        yield http
+
+
+def greedy_ids(client: openai.OpenAI, prompt: str, max_tokens: int = 12) -> list[int]:
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    return out.choices[0].token_ids
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def wait_until_idle(engine, timeout: float = 10.0) -> None:
+    """Until no sequence holds a KV block (aborts reach the core thread asynchronously)."""
+    manager = engine.core.block_manager
+    deadline = time.monotonic() + timeout
+    while manager.num_free_blocks != manager.num_blocks or engine.core.sequences:
+        assert time.monotonic() < deadline, f"{manager.num_blocks - manager.num_free_blocks} blocks still held"
+        time.sleep(0.02)
+
+
+# ---- the openai client ------------------------------------------------------------------
+
+
+def test_models(client, tiny_llama):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].root == str(tiny_llama)
+
+
+def test_completion(client, engine):
+    prompt = "The quick brown fox"
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    (choice,) = out.choices
+    assert out.object == "text_completion" and out.model == MODEL
+    assert choice.finish_reason == "length" and len(choice.token_ids) == 10
+    assert choice.text == engine.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+    prompt_len = len(engine.tokenizer.encode(prompt))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        prompt_len,
+        10,
+        prompt_len + 10,
+    )
+
+
+def test_chat(client, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    (choice,) = out.choices
+    assert out.object == "chat.completion"
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    template = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_len = len(engine.tokenizer.encode(template, add_special_tokens=False))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        prompt_len,
+        8,
+        prompt_len + 8,
+    )
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, prompt="Streaming works", max_tokens=16, temperature=0)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(**kwargs, extra_body=extra)
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    )
+    *deltas, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in deltas) == whole.choices[0].text
+    assert [t for c in deltas for t in c.choices[0].token_ids] == whole.choices[0].token_ids
+    assert [c.choices[0].finish_reason for c in deltas][-1] == "length"
+    assert usage_chunk.choices == []
+    counts = lambda usage: (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+    assert counts(usage_chunk.usage) == counts(whole.usage)
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: a prefix-cache hit
+
+
+def test_chat_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 == whole.usage.completion_tokens
+
+
+def test_n2(client):
+    out = client.completions.create(
+        model=MODEL, prompt="Two samples", n=2, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.completion_tokens == 16
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], n=2, max_tokens=6, stream=True, seed=3
+    )
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chat if c.choices[0].finish_reason}
+    assert set(finished) == {0, 1}
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(
+        model=MODEL, prompt="Log", max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 4 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Log"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
+
+
+def test_stop_string_across_tokens(client):
+    """Every byte is a token, so a two-character stop string spans two tokens."""
+    for prompt in ["Once upon", "a b c d", "Hello there", "xyz", "0123", "The end"]:
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+        )
+        text = out.choices[0].text
+        at = next((i for i in range(1, len(text) - 1) if "\ufffd" not in text[i : i + 2]), None)
+        if at is not None:
+            break
+    else:
+        pytest.skip("the random model wrote no two printable characters in a row")
+    stop = text[at : at + 2]
+    kwargs = dict(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    out = client.completions.create(**kwargs)
+    assert out.choices[0].text == text[: text.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text[: text.find(stop)]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible(client):
+    def sample(seed: int) -> list[int]:
+        out = client.completions.create(
+            model=MODEL,
+            prompt="Random",
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        return out.choices[0].token_ids
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_token_id_prompt_and_batch(client, engine):
+    ids = engine.tokenizer.encode("Same prompt")
+    by_text = greedy_ids(client, "Same prompt")
+    out = client.completions.create(
+        model=MODEL,
+        prompt=[ids, ids],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.token_ids for c in out.choices] == [by_text, by_text]
+
+
+def test_64_concurrent_streams_equal_serial(client, server):
+    prompts = [f"Request number {i}: " for i in range(64)]
+    serial = [greedy_ids(client, p, max_tokens=10) for p in prompts]
+    async_client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def stream(prompt: str) -> list[int]:
+        chunks = await async_client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        return [t async for c in chunks for t in c.choices[0].token_ids]
+
+    async def all_at_once() -> list[list[int]]:
+        try:
+            return await asyncio.gather(*(stream(p) for p in prompts))
+        finally:
+            await async_client.close()
+
+    assert asyncio.run(all_at_once()) == serial
+
+
+def test_prefix_cache_hits_in_metrics(client, server):
+    shared = "A long shared system prompt that many requests start with, " * 2
+    before = metric(server.url, "atom:prefix_cache_hits_total")
+    client.completions.create(model=MODEL, prompt=shared + "first", max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=shared + "second", max_tokens=2)
+    assert metric(server.url, "atom:prefix_cache_hits_total") - before >= len(shared) // 4 * 4 - 4
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(shared) // 4 * 4 - 4
+    assert 0 < metric(server.url, "atom:prefix_cache_hit_rate") <= 1
+
+
+def test_stream_disconnect_frees_blocks(server, engine):
+    wait_until_idle(engine)
+    body = {"model": MODEL, "prompt": "Talk forever", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        assert next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert engine.core.block_manager.num_free_blocks < engine.core.block_manager.num_blocks
+    wait_until_idle(engine)
+    deadline = time.monotonic() + 5
+    while metric(server.url, "atom:kv_cache_usage_perc") != 0 or metric(server.url, "atom:num_requests_running"):
+        assert time.monotonic() < deadline, "/metrics still shows the aborted request"
+        time.sleep(0.05)
+
+
+def test_non_stream_disconnect_frees_blocks(server, engine):
+    wait_until_idle(engine)
+    body = {"model": MODEL, "prompt": "Talk forever", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=0.5)
+    wait_until_idle(engine)
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = {
+    "malformed json": (COMPLETIONS, b'{"prompt": "hi",', 400, None),
+    "not an object": (COMPLETIONS, b"[1, 2]", 400, None),
+    "invalid utf-8": (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None),
+    "NaN": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    "missing prompt": (COMPLETIONS, {"max_tokens": 4}, 400, "prompt"),
+    "missing messages": (CHAT, {"max_tokens": 4}, 400, "messages"),
+    "max_tokens is a string": (COMPLETIONS, {"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens"),
+    "messages is a string": (CHAT, {"messages": "hi"}, 400, "messages"),
+    "unknown model": (COMPLETIONS, {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    "unknown model (chat)": (CHAT, {"model": "gpt-9", "messages": OK_CHAT}, 404, "model"),
+    "prompt beyond context": (COMPLETIONS, {"prompt": "a" * 1100}, 400, "prompt"),
+    "max_tokens 0": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens negative": (COMPLETIONS, {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    "max_tokens beyond context": (COMPLETIONS, {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    "max_tokens 0, streamed": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0, "stream": True}, 400, "max_tokens"),
+    "chat max_tokens beyond context": (CHAT, {"messages": OK_CHAT, "max_tokens": 5000}, 400, "max_tokens"),
+    "temperature < 0": (COMPLETIONS, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    "top_p 0": (COMPLETIONS, {"prompt": "hi", "top_p": 0.0}, 400, "top_p"),
+    "top_p > 1": (CHAT, {"messages": OK_CHAT, "top_p": 1.5}, 400, "top_p"),
+    "top_k < -1": (COMPLETIONS, {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    "n beyond the limit": (COMPLETIONS, {"prompt": "hi", "n": MAX_NUM_SEQS + 1}, 400, "n"),
+    "n 0": (CHAT, {"messages": OK_CHAT, "n": 0}, 400, "n"),
+    "logprobs beyond the limit": (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    "top_logprobs without logprobs": (CHAT, {"messages": OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    "empty prompt": (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    "empty prompt list": (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    "empty token ids in a batch": (COMPLETIONS, {"prompt": [[1, 2], []]}, 400, "prompt"),
+    "empty messages": (CHAT, {"messages": []}, 400, "messages"),
+    "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    "image content": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages",
+    ),
+    "token id beyond vocab": (COMPLETIONS, {"prompt": [1, 2, 320]}, 400, "prompt"),
+    "negative token id": (COMPLETIONS, {"prompt": [-1]}, 400, "prompt"),
+    "stream_options without stream": (
+        COMPLETIONS,
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_request(http, case):
+    path, body, status, param = BAD_REQUESTS[case]
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert_still_serving(http)
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    assert http.get("/health").status_code == 200
+    response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "still there?", "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/no/such/route", 404), ("GET", COMPLETIONS, 405)])
+def test_bad_route(http, method, path, status):
+    response = http.request(method, path)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert_still_serving(http)
+
+
+def test_openai_client_raises_on_bad_input(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=OK_CHAT)
+
+
+# ---- API key, health, metrics, profiling ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", COMPLETIONS),
+        ("POST", CHAT),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("POST", "/start_profile"),
+        ("POST", "/stop_profile"),
+    ],
+)
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_api_key_enforced(server, method, path, key):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.request(method, f"{server.url}{path}", headers=headers, json={"prompt": "hi"})
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_api_key_with_openai_client(server, client):
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200  # /health needs no key
+    assert client.models.list().data
+
+
+def test_metrics(client, server):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
+    for name in [
+        "atom:num_requests_running",
+        "atom:num_requests_waiting",
+        "atom:prompt_tokens_total",
+        "atom:generation_tokens_total",
+        "atom:time_to_first_token_seconds_count",
+        "atom:time_per_output_token_seconds_count",
+        "atom:e2e_request_latency_seconds_count",
+        "atom:kv_cache_usage_perc",
+        "atom:prefix_cache_hit_rate",
+        "atom:num_preemptions_total",
+    ]:
+        assert metric(server.url, name) >= 0
+    assert metric(server.url, "atom:generation_tokens_total") >= 3
+
+
+def test_profile(http, profile_dir):
+    assert http.post("/stop_profile").status_code == 400  # nothing recording
+    assert http.post("/start_profile").status_code == 200
+    assert http.post("/start_profile").status_code == 400  # already recording
+    http.post(COMPLETIONS, json={"prompt": "profile me", "max_tokens": 4})
+    response = http.post("/stop_profile")
+    assert response.status_code == 200
+    trace = Path(response.json()["trace"])
+    assert trace.parent == profile_dir
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the core thread's ops were recorded
+
+
+def test_profile_off(engine):
+    with TestClient(build_app(engine, MODEL)) as test_client:
+        response = test_client.post("/start_profile")
+    assert response.status_code == 400
+    assert "--torch-profiler-dir" in response.json()["error"]["message"]
+
+
+def test_benchmark_serving(server, tiny_llama, tmp_path):
+    result = tmp_path / "result.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "benchmark_serving.py")]
+    command += ["--backend", "openai", "--base-url", server.url, "--model", MODEL, "--tokenizer", str(tiny_llama)]
+    command += ["--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "8"]
+    command += ["--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos", "--disable-tqdm"]
+    command += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    command += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", result.name]
+    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OPENAI_API_KEY": API_KEY})
+    assert run.returncode == 0, run.stderr
+    assert "Serving Benchmark Result" in run.stdout
+    saved = json.loads(result.read_text())
+    assert saved["completed"] == 8 and saved["total_output_tokens"] == 64
+    assert saved["mean_ttft_ms"] > 0 and saved["p99_e2el_ms"] >= saved["median_e2el_ms"]
+
+
+# ---- a server of its own ----------------------------------------------------------------------
+
+
+def test_preemption_with_tiny_kv_pool(tiny_llama, client):
+    """A pool that fits one request: four at once must preempt, and still all finish, unchanged."""
+    prompts = ["Preempt me", "And me too", "Me as well", "Last one!!"]
+    max_tokens = 22  # 10 prompt + 22 tokens = 8 blocks of 4
+    expected = [greedy_ids(client, p, max_tokens) for p in prompts]
+    small = create_engine(
+        tiny_llama, device="cpu", served_model_name=MODEL, config=EngineConfig(block_size=4, num_kvcache_blocks=9)
+    )
+    server = ServerThread(build_app(small, MODEL))
+    try:
+        tight = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(prompt: str) -> list[int]:
+            out = await tight.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            return out.choices[0].token_ids
+
+        async def all_at_once() -> list[list[int]]:
+            try:
+                return await asyncio.gather(*(one(p) for p in prompts))
+            finally:
+                await tight.close()
+
+        assert asyncio.run(all_at_once()) == expected
+        assert metric(server.url, "atom:num_preemptions_total") > 0
+    finally:
+        server.stop()
+        small.shutdown()
+
+
+def test_health_503_when_engine_stopped(tiny_llama):
+    engine = create_engine(tiny_llama, device="cpu", config=EngineConfig(block_size=4, max_num_seqs=2))
+    engine.shutdown()
+    with TestClient(build_app(engine, MODEL)) as test_client:
+        assert test_client.get("/health").status_code == 503
+        response = test_client.post(COMPLETIONS, json={"prompt": "hi"})
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "service_unavailable_error"
