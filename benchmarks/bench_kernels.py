@@ -171,7 +171,7 @@ def bench_row_kernels(copy_tbps: float) -> list[dict]:
     cases = [
         ("rms_norm", 2 * tokens * hidden * act, lambda: norm.rms_norm(x, w, 1e-6),
          lambda: norm_ops.rms_norm_reference(x, w, 1e-6)),
-        ("fused_add_rms_norm_quant_fp8", tokens * hidden * (4 * act + 1),
+        ("fused_add_rms_norm_quant_fp8", tokens * hidden * (3 * act + 1),
          lambda: norm.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6),
          lambda: quant_ops.fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-6)),
         ("silu_and_mul", 3 * tokens * inter * act, lambda: activation.silu_and_mul(gate_up),
@@ -195,17 +195,25 @@ def bench_row_kernels(copy_tbps: float) -> list[dict]:
 def sweep_configs(base: attention.AttentionConfig) -> tuple[list, list]:
     prefill = [base] + [
         replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
-        for m, n, w, s in [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)]
+        for m, n, w, s in [
+            (128, 64, 8, 2),
+            (128, 128, 8, 2),
+            (128, 32, 4, 3),
+            (128, 32, 4, 4),
+            (128, 64, 4, 2),
+            (64, 64, 4, 3),
+            (64, 32, 4, 4),
+        ]
     ]
     decode = [base] + [
         replace(base, decode_block_n=n, decode_warps=w, decode_stages=s, decode_waves=waves)
         for n, w, s, waves in [
-            (32, 4, 4, 8),
-            (64, 4, 2, 8),
             (128, 4, 2, 8),
-            (64, 4, 3, 4),
-            (64, 4, 3, 16),
             (32, 2, 3, 8),
+            (64, 2, 3, 8),
+            (32, 4, 4, 8),
+            (64, 4, 3, 2),
+            (32, 2, 3, 4),
         ]
     ]
     return prefill, decode

@@ -92,14 +92,16 @@ def _attend(
             page = tl.load(table_ptr + n // BLOCK_SIZE)
         offs = page.to(tl.int64)[:, None] * stride_kb + ((n % BLOCK_SIZE) * stride_ks + kv_head_offset)[:, None]
         k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.dot(q, tl.trans(k))
         if CAUSAL:
             qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        p = tl.math.exp2(qk - m_new[:, None])
+        # Scale inside the exponent (one FMA an element), and accumulate in place in the second
+        # product, so no second [BLOCK_M, HEAD_DIM] fp32 tile is live.
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         v = tl.load(v_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     return acc, l_i, m_i
@@ -199,9 +201,10 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - q_start != 1:
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
+    if q_end - q_start != 1:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
@@ -255,30 +258,25 @@ def _merge_splits(
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    """out[token] = the split partials of one decode sequence's query heads, weighted by their sum-exp."""
-    g = tl.arange(0, GROUP_P)
-    head = kv_head * GROUP + g
-    mask = g < GROUP
+    """out[token] = the split partials of one decode sequence's query heads, weighted by their sum-exp.
+
+    All splits of a head are loaded at once, so the merge costs one round trip per head.
+    """
+    splits = tl.arange(0, SPLITS)
+    used = splits < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
-    first = (seq * num_kv_heads * GROUP + head) * num_splits
-    m = tl.full([GROUP_P], float("-inf"), tl.float32)
-    den = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(part_lse_ptr + first + s, mask=mask, other=0.0)
-        o = tl.load(part_out_ptr + (first + s).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask[:, None])
-        m_new = tl.maximum(m, lse)
-        alpha = tl.math.exp2(m - m_new)
-        w = tl.math.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        den = den * alpha + w
-        m = m_new
-    out = acc / den[:, None]
-    ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask[:, None])
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        part = (seq * num_kv_heads * GROUP + head) * num_splits + splits
+        lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"))
+        o = tl.load(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None])
+        w = tl.math.exp2(lse - tl.max(lse, axis=0))
+        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+        ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -325,6 +323,7 @@ def _attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
@@ -360,8 +359,8 @@ def _attention_kernel(
             stride_ot,
             stride_oh,
             GROUP,
-            GROUP_P,
             HEAD_DIM,
+            SPLITS,
         )
         return
 
@@ -479,6 +478,7 @@ def run_paged_attention(
         block_tables.stride(0),
         GROUP_P=group_p,
         BLOCK_Q=block_q,
+        SPLITS=MAX_SPLITS,
         BLOCK_N=config.block_n,
         **common,
         num_warps=config.num_warps,
