@@ -52,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $ATOM_API_KEY)",
     )
     serve.add_argument("--served-model-name", help="the model name clients use (default: the directory's name)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
+    serve.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no log line per request (for busy servers)"
+    )
     add_engine_args(serve)
 
     generate = commands.add_parser("generate", help="generate once and print the result")

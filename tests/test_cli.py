@@ -129,7 +129,16 @@ def test_serve(tiny_llama):
         port = sock.getsockname()[1]
     server = subprocess.Popen(
         ["atom-run", "serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-        + ["--api-key", "k", "--served-model-name", "tiny-served", "--max-num-seqs", "4", "--log-level", "warning"],
+        + [
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "tiny-served",
+            "--max-num-seqs",
+            "4",
+            "--uvicorn-log-level",
+            "warning",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

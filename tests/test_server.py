@@ -288,6 +288,26 @@ def test_token_id_prompt_and_batch(client, engine):
     )
     assert [c.index for c in out.choices] == [0, 1]
     assert [c.token_ids for c in out.choices] == [by_text, by_text]
+    other = greedy_ids(client, "Other prompt")
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=["Same prompt", "Other prompt"],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in stream:
+        streamed[chunk.choices[0].index] += chunk.choices[0].token_ids
+    assert streamed == {0: by_text, 1: other}
+
+
+def test_echo(client):
+    out = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True)
+    assert out.choices[0].text.startswith("Echo me")
+    streamed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed).startswith("Echo me")
 
 
 def test_64_concurrent_streams_equal_serial(client, server):
@@ -366,6 +386,7 @@ BAD_REQUESTS = {
     "unknown model": (COMPLETIONS, {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
     "unknown model (chat)": (CHAT, {"model": "gpt-9", "messages": OK_CHAT}, 404, "model"),
     "prompt beyond context": (COMPLETIONS, {"prompt": "a" * 1100}, 400, "prompt"),
+    "messages beyond context": (CHAT, {"messages": [{"role": "user", "content": "a" * 1100}]}, 400, "messages"),
     "max_tokens 0": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens negative": (COMPLETIONS, {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
     "max_tokens beyond context": (COMPLETIONS, {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
@@ -392,6 +413,7 @@ BAD_REQUESTS = {
     ),
     "token id beyond vocab": (COMPLETIONS, {"prompt": [1, 2, 320]}, 400, "prompt"),
     "negative token id": (COMPLETIONS, {"prompt": [-1]}, 400, "prompt"),
+    "echo with logprobs": (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     "stream_options without stream": (
         COMPLETIONS,
         {"prompt": "hi", "stream_options": {"include_usage": True}},

@@ -140,6 +140,13 @@ def run_server(args: argparse.Namespace) -> None:
         model_path=str(args.model),
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            loop="uvloop",
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+        )
     finally:
         engine.shutdown()

@@ -76,6 +76,7 @@ class _Sent:
     tokens: int = 0
     text_offset: int = 0  # legacy logprobs: where the next token's text starts
     finished: bool = False
+    echo: str = ""  # the prompt, to send before the first text (completions' `echo`)
 
 
 class OpenAIServing:
@@ -97,8 +98,8 @@ class OpenAIServing:
         choices = []
         for p, final in enumerate(finals):
             for completion in final.outputs:
-                echo = self._prompt_text(prompts[p]) if request.echo else ""
-                choice = self._completion_choice(request, p * params.n + completion.index, _Sent(), completion, echo)
+                sent = _Sent(echo=self._prompt_text(prompts[p]) if request.echo else "")
+                choice = self._completion_choice(request, p * params.n + completion.index, sent, completion)
                 choice.prompt_token_ids = prompts[p].token_ids if request.return_token_ids else None
                 choices.append(choice)
         body = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=_usage(finals))
@@ -118,19 +119,16 @@ class OpenAIServing:
             finals[p] = output
             for completion in output.outputs:
                 index = p * params.n + completion.index
-                state = sent.get(index)
-                echo = ""
-                if state is None:
-                    state = sent[index] = _Sent()
-                    echo = self._prompt_text(prompts[p]) if request.echo else ""
-                choice = self._completion_choice(request, index, state, completion, echo)
+                if index not in sent:
+                    sent[index] = _Sent(echo=self._prompt_text(prompts[p]) if request.echo else "")
+                choice = self._completion_choice(request, index, sent[index], completion)
                 if choice is not None:
                     yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice])
         if request.include_usage:
             yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(finals))
 
     def _completion_choice(
-        self, request: CompletionRequest, index: int, sent: _Sent, completion: CompletionOutput, echo: str
+        self, request: CompletionRequest, index: int, sent: _Sent, completion: CompletionOutput
     ) -> CompletionChoice | None:
         """The choice's news since `sent` (everything, for a fresh `_Sent`), or None if there is none."""
         delta = _advance(sent, index, completion, with_tokens=request.logprobs is not None or request.return_token_ids)
@@ -152,7 +150,7 @@ class OpenAIServing:
                 sent.text_offset += len(token)
         return CompletionChoice(
             index=index,
-            text=echo + delta.text,
+            text=delta.text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
@@ -166,7 +164,12 @@ class OpenAIServing:
         params = request.sampling_params()
         prompt = self._render_chat(request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self._generate([prompt], params, request_id)
+        try:
+            outputs = self._generate([prompt], params, request_id)
+        except InvalidRequestError as error:
+            if error.param == "prompt":  # the client sent messages, not a prompt
+                error.param = "messages"
+            raise
         if request.stream:
             return _sse(self._chat_chunks(request, request_id, params, outputs))
         (final,) = await _unless_disconnected(raw, _final_outputs(outputs, 1))
@@ -246,9 +249,8 @@ class OpenAIServing:
         content = []
         for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=True):
             top = sorted((lp for lp in entry.values() if lp.rank <= params.logprobs), key=lambda lp: lp.rank)
-            content.append(
-                TokenLogprob(**_top_logprob(entry[token_id]).model_dump(), top_logprobs=map(_top_logprob, top))
-            )
+            chosen = _top_logprob(entry[token_id])
+            content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[_top_logprob(lp) for lp in top]))
         return ChatLogprobs(content=content)
 
     # ---- shared ------------------------------------------------------------------------
@@ -297,6 +299,7 @@ def _advance(sent: _Sent, index: int, completion: CompletionOutput, with_tokens:
         return None  # only held-back text (a possible stop string, or bytes of an unfinished character)
     logprobs = completion.logprobs[sent.tokens :] if completion.logprobs is not None else None
     sent.chars, sent.tokens, sent.finished = len(completion.text), len(completion.token_ids), finish_reason is not None
+    text, sent.echo = sent.echo + text, ""
     return _Delta(index, text, token_ids, logprobs, finish_reason, completion.stop_reason)
 
 
