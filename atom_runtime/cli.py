@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A server reports its setup (KV-cache size, ...); a one-shot generate prints only its result.
+    logging.basicConfig(
+        level=logging.INFO if args.command == "serve" else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if not args.model.exists():
         parser.error(f"model directory {str(args.model)!r} does not exist")
     try:

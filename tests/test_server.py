@@ -399,6 +399,12 @@ BAD_REQUESTS = {
     "n beyond the limit": (COMPLETIONS, {"prompt": "hi", "n": MAX_NUM_SEQS + 1}, 400, "n"),
     "n 0": (CHAT, {"messages": OK_CHAT, "n": 0}, 400, "n"),
     "logprobs beyond the limit": (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    "top_logprobs beyond the limit": (
+        CHAT,
+        {"messages": OK_CHAT, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
     "top_logprobs without logprobs": (CHAT, {"messages": OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     "empty prompt": (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     "empty prompt list": (COMPLETIONS, {"prompt": []}, 400, "prompt"),

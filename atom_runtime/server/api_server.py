@@ -8,7 +8,6 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
 from __future__ import annotations
 
 import argparse
-import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -29,8 +28,6 @@ from atom_runtime.server.errors import APIError, error_response, install_error_h
 from atom_runtime.server.profiler import EngineProfiler
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from atom_runtime.server.serving import OpenAIServing
-
-logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -50,6 +50,8 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 # Status for a request whose client left before the answer (nginx's "client closed request").
 _CLIENT_CLOSED = 499
+# Engine parameter names as chat requests call them.
+_CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 @dataclass
@@ -161,14 +163,13 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(request.model)
-        params = request.sampling_params()
-        prompt = self._render_chat(request)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
+            params = request.sampling_params()
+            prompt = self._render_chat(request)
             outputs = self._generate([prompt], params, request_id)
-        except InvalidRequestError as error:
-            if error.param == "prompt":  # the client sent messages, not a prompt
-                error.param = "messages"
+        except InvalidRequestError as error:  # name the field the client sent
+            error.param = _CHAT_PARAMS.get(error.param, error.param)
             raise
         if request.stream:
             return _sse(self._chat_chunks(request, request_id, params, outputs))
