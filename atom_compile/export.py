@@ -147,6 +147,7 @@ def _write_pieces(staging: Path, top, pieces: list[Piece], level: int, device: t
             "code": code,
             "compiled": None,
             "returns_tuple": piece.returns_tuple,
+            "kv_cache_op": piece.runs_eagerly,
             "eager": piece.runs_eagerly or level == 0,
         }
     for key, piece in distinct.items():

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from atom_compile import artifact
 from atom_compile.graphs.codegen import load_graph_source
 from atom_compile.graphs.compile import load_compiled_piece
+from atom_compile.trace import GraphInput, graph_arguments, model_weights
 from atom_models import load_config
 from atom_models.layers import AttentionMetadata
 from atom_models.loader import DTYPES, build_model, load_weights
@@ -45,7 +46,7 @@ class CompiledModel:
         self.weights = self._load_weights()
         self.forward_graph = load_graph_source((path / "graphs/model.py").read_text(), str(path / "graphs/model.py"))
         self.pieces = _Pieces(self._load_pieces())
-        self.inputs = [(i["kind"], i["target"]) for i in manifest["inputs"]]
+        self.inputs = [GraphInput(**i) for i in manifest["inputs"]]
 
     def _load_weights(self) -> dict[str, Tensor]:
         quant = self.manifest["quantization"]
@@ -58,9 +59,7 @@ class CompiledModel:
                     params[name].data.copy_(f.get_tensor(name))
         else:
             load_weights(model, artifact.check_source_weights(self.manifest))
-        named = dict(model.named_parameters(remove_duplicate=False))
-        named.update(model.named_buffers(remove_duplicate=False))
-        return named
+        return model_weights(model)
 
     def _load_pieces(self) -> dict:
         loaded: dict[str, object] = {}
@@ -84,17 +83,7 @@ class CompiledModel:
         meta: AttentionMetadata,
         logits_indices: Tensor,
     ) -> Tensor:
-        step = {
-            "input_ids": input_ids,
-            "positions": positions,
-            "slot_mapping": meta.slot_mapping,
-            "block_tables": meta.block_tables,
-            "seq_lens": meta.seq_lens,
-            "query_start_loc": meta.query_start_loc,
-            "logits_indices": logits_indices,
-        }
-        step.update((f"kv_caches_{i}", cache) for i, cache in enumerate(kv_caches))
-        args = [self.weights[target] if kind == "weight" else step[target] for kind, target in self.inputs]
+        args = graph_arguments(self.inputs, self.weights, input_ids, positions, kv_caches, meta, logits_indices)
         return self.forward_graph(self.pieces, *args)[0]
 
 

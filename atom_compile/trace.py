@@ -79,6 +79,36 @@ class TracedModel:
     exported: ExportedProgram
 
 
+def graph_arguments(
+    inputs: list[GraphInput],
+    weights: dict[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+    logits_indices: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The traced graph's placeholders, in order, for one step of the model."""
+    step = {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slot_mapping": meta.slot_mapping,
+        "block_tables": meta.block_tables,
+        "seq_lens": meta.seq_lens,
+        "query_start_loc": meta.query_start_loc,
+        "logits_indices": logits_indices,
+    }
+    step.update((f"kv_caches_{i}", cache) for i, cache in enumerate(kv_caches))
+    return [weights[i.target] if i.kind == "weight" else step[i.target] for i in inputs]
+
+
+def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under every name it has (shared ones included), as graph inputs name them."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return named
+
+
 def example_inputs(model: nn.Module) -> tuple[tuple, tuple]:
     """Small example step (2 sequences, 8 tokens) and the dynamic dimensions of every input."""
     config = model.config

@@ -74,3 +74,25 @@ def tiny_llama(make_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(make_checkpoint) -> Path:
     return make_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="session")
+def artifact_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="session")
+def llama_artifact(tiny_llama, artifact_root) -> Path:
+    """The tiny Llama exported once at level 3 (Inductor, CPU) for the whole session."""
+    import atom_compile
+
+    atom_compile.export(tiny_llama, artifact_root / "llama", device="cpu", level=3)
+    return artifact_root / "llama"
+
+
+@pytest.fixture(scope="session")
+def qwen3_artifact(tiny_qwen3, artifact_root) -> Path:
+    import atom_compile
+
+    atom_compile.export(tiny_qwen3, artifact_root / "qwen3", device="cpu", level=3)
+    return artifact_root / "qwen3"

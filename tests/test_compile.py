@@ -1,0 +1,217 @@
+"""Exported artifacts: same outputs as eager, load without compiling, and refuse what does not fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import atom_compile as ac
+from atom_compile.artifact import ArtifactError
+from atom_compile.cli import main as compile_cli
+from atom_runtime import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = ["Hello there", "The quick brown fox", "x"]
+
+
+def tokens(llm_source, **kwargs) -> list[list[int]]:
+    llm = LLM(llm_source, **kwargs)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_artifact_matches_eager(which, request):
+    artifact = request.getfixturevalue(f"{which}_artifact")
+    checkpoint = request.getfixturevalue(f"tiny_{which}")
+    result = ac.compare(artifact)
+    assert result["max_rel_diff"] < 1e-4 and result["argmax_equal"], result
+    assert tokens(artifact) == tokens(checkpoint, device="cpu")
+
+
+def test_manifest_records_the_build(llama_artifact):
+    manifest = json.loads((llama_artifact / "manifest.json").read_text())
+    for field in ("format_version", "architecture", "model_config", "weights", "dtype", "device",
+                  "device_capability", "torch_version", "triton_version", "atom_version", "ops_backend",
+                  "passes", "max_model_len", "max_num_seqs", "files"):
+        assert field in manifest, field
+    assert {p["name"]: p["matches"] for p in manifest["passes"]}["rope_cache"] == 2
+    compiled = [p for p in manifest["pieces"].values() if p["compiled"]]
+    # first, middle and last pieces compile; the middle one would be shared by any number of layers
+    assert len({p["key"] for p in compiled}) == 3
+    assert (llama_artifact / "graphs" / "model.py").is_file()
+    assert (llama_artifact / "tokenizer.json").is_file()
+
+
+# Logs every compiler call except version queries and Inductor's CPU ISA probe: one-function files
+# (__avx_chk_kernel, __avx512_vnni_chk_kernel_1, ...) that test which vector instructions build here.
+SHIM = """#!/bin/sh
+case "$*" in -v|--version|-dumpversion|-dumpfullversion) exec {real} "$@";; esac  # probes, not compiles
+for arg in "$@"; do
+  case "$arg" in *.cpp|*.c) if grep -Eq '__(avx|avx512|avx2|amx)[a-z0-9_]*_chk_kernel' "$arg" 2>/dev/null; then exec {real} "$@"; fi;; esac
+done
+echo "$0 $*" >> {log}
+exec {real} "$@"
+"""
+
+CHILD = """
+import json, sys
+import torch
+import torch._dynamo, torch._inductor, torch._inductor.compile_fx, torch.export
+
+def forbidden(*args, **kwargs):
+    raise AssertionError("a tracing or compile entry point was called while loading an artifact")
+
+torch.compile = torch._dynamo.optimize = torch.export.export = forbidden
+torch._inductor.compile_fx.compile_fx = torch._inductor.aoti_compile_and_package = forbidden
+from atom_runtime import LLM, SamplingParams
+llm = LLM(sys.argv[1])
+outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+from torch._dynamo.utils import counters
+print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "dynamo_frames": sum(counters["frames"].values())}}))
+"""
+
+
+def test_fresh_process_loads_without_compiling(llama_artifact, tmp_path):
+    """Round trip: exported here, loaded in a new process with empty caches and a logging compiler shim."""
+    moved = tmp_path / "moved-artifact"
+    shutil.copytree(llama_artifact, moved)  # and the artifact still loads from elsewhere
+    shim_dir, log = tmp_path / "shim", tmp_path / "compiler.log"
+    shim_dir.mkdir()
+    for name in ("gcc", "g++", "cc", "c++", "clang", "clang++"):
+        real = shutil.which(name)
+        if real:
+            (shim_dir / name).write_text(SHIM.format(real=real, log=log))
+            (shim_dir / name).chmod(0o755)
+    env = dict(
+        os.environ,
+        PATH=f"{shim_dir}:{os.environ['PATH']}",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
+        TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
+    )
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD.format(prompts=PROMPTS)))
+    run = subprocess.run([sys.executable, str(script), str(moved)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not log.exists(), f"the C++ compiler ran while loading: {log.read_text()}"
+    assert result["dynamo_frames"] == 0
+    assert result["tokens"] == tokens(llama_artifact)
+
+
+@pytest.fixture(scope="module")
+def eager_artifact(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
+    """A level-0 artifact (no Inductor: quick to export) over its own copy of the checkpoint."""
+    root = tmp_path_factory.mktemp("eager")
+    checkpoint = root / "checkpoint"
+    shutil.copytree(tiny_llama, checkpoint)
+    ac.export(checkpoint, root / "artifact", device="cpu", level=0)
+    return root / "artifact", checkpoint
+
+
+@pytest.fixture
+def artifact_copy(eager_artifact, tmp_path) -> Path:
+    target = tmp_path / "artifact"
+    shutil.copytree(eager_artifact[0], target)
+    return target
+
+
+def edit_manifest(path: Path, **fields) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(fields)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_level0_runs_eager_pieces(eager_artifact, tiny_llama):
+    manifest = json.loads((eager_artifact[0] / "manifest.json").read_text())
+    assert manifest["level"] == 0 and not any(p["compiled"] for p in manifest["pieces"].values())
+    assert tokens(eager_artifact[0]) == tokens(tiny_llama, device="cpu")
+
+
+def test_other_torch_version(artifact_copy):
+    edit_manifest(artifact_copy, torch_version="2.0.0")
+    here = re.escape(torch.__version__)
+    with pytest.raises(ArtifactError, match=rf"torch_version is '2\.0\.0' in the artifact but '{here}'"):
+        ac.load_artifact(artifact_copy)
+
+
+def test_other_device_capability(artifact_copy):
+    edit_manifest(artifact_copy, device_capability="x86_64-NEON")
+    with pytest.raises(ArtifactError, match="device_capability is 'x86_64-NEON' in the artifact but"):
+        ac.load_artifact(artifact_copy)
+
+
+def test_other_format_version(artifact_copy):
+    edit_manifest(artifact_copy, format_version=99)
+    with pytest.raises(ArtifactError, match="format_version is 99 in the artifact"):
+        ac.load_artifact(artifact_copy)
+
+
+def test_missing_file(artifact_copy):
+    (artifact_copy / "graphs" / "model.py").unlink()
+    with pytest.raises(ArtifactError, match=r"artifact file graphs/model\.py is missing"):
+        ac.load_artifact(artifact_copy)
+
+
+def test_corrupted_file(artifact_copy):
+    piece = next((artifact_copy / "graphs").glob("piece_*.py"))
+    piece.write_text(piece.read_text() + "\n# edited\n")
+    with pytest.raises(ArtifactError, match=rf"artifact file graphs/{piece.name} is corrupted"):
+        ac.load_artifact(artifact_copy)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="is not an atom artifact"):
+        ac.load_artifact(tmp_path)
+
+
+def test_changed_weights_then_rebuild(eager_artifact, tmp_path):
+    artifact, checkpoint = eager_artifact
+    artifact = shutil.copytree(artifact, tmp_path / "artifact")
+    changed = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, changed)
+    edit_manifest(artifact, weights={**json.loads((artifact / "manifest.json").read_text())["weights"],
+                                     "model_dir": str(changed)})
+    weights = load_file(changed / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 2
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ArtifactError, match="the weights changed since export"):
+        ac.load_artifact(artifact)
+    rebuilt = ac.load_artifact(artifact, rebuild=True)
+    assert torch.equal(rebuilt.weights["model.norm.weight"], weights["model.norm.weight"])
+    ac.load_artifact(artifact)  # the rebuilt manifest now fits
+
+
+def test_copied_weights_need_no_checkpoint(tiny_llama, tmp_path):
+    checkpoint = shutil.copytree(tiny_llama, tmp_path / "checkpoint")
+    ac.export(checkpoint, tmp_path / "artifact", device="cpu", level=0, weights="copy")
+    shutil.rmtree(checkpoint)
+    assert tokens(tmp_path / "artifact") == tokens(tiny_llama, device="cpu")
+
+
+def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
+    assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "a"), "--device", "cpu", "--level", "0",
+                        "--passes=-rope_cache"]) == 0
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["passes"]] == ["rms_norm_quant", "silu_mul_quant", "qk_norm_rope_cache",
+                                                        "cleanup"]
+    capsys.readouterr()
+    assert compile_cli(["show", str(tmp_path / "a")]) == 0
+    shown = capsys.readouterr().out
+    assert "atom.unified_attention×1" in shown and "passes:" in shown and "def forward" in shown
+    assert compile_cli(["export", str(tmp_path / "missing"), "-o", str(tmp_path / "b")]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "b"), "--passes", "+nope"]) == 2
+    assert "unknown pass 'nope'" in capsys.readouterr().err

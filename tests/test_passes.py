@@ -1,0 +1,156 @@
+"""Each pass: which nodes disappear and appear, outputs unchanged, zero matches where the pattern is absent."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import atom_compile as ac
+from atom_compile.export import ExportOptions, trace_model_dir
+from atom_compile.passes import resolve_pipeline, run_passes
+from atom_compile.reference import prompt_step
+from atom_compile.trace import graph_arguments, model_weights
+
+
+def ops(gm) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "atom" in str(n.target))
+
+
+def traced(model_dir, quantization=None):
+    model, t = trace_model_dir(model_dir, ExportOptions(device="cpu", quantization=quantization))
+    return model, t
+
+
+def run(model, t, seed=0):
+    """Logits and KV caches of one 13-token prefill through the traced graph."""
+    ids, positions, caches, meta, logits_indices = prompt_step(model.config, 13, torch.device("cpu"), torch.float32)
+    args = graph_arguments(t.inputs, model_weights(model), ids, positions, caches, meta, logits_indices)
+    with torch.inference_mode():
+        logits = t.graph_module(*args)[0]
+    return logits, caches
+
+
+def apply(t, *names):
+    records = run_passes(t.graph_module, list(names))
+    return {r.name: r.matches for r in records}
+
+
+def assert_same_outputs(before, after, rtol=1e-6):
+    (logits_a, caches_a), (logits_b, caches_b) = before, after
+    torch.testing.assert_close(logits_b, logits_a, rtol=rtol, atol=rtol)
+    for a, b in zip(caches_a, caches_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=rtol)
+
+
+def test_rope_cache_on_llama(tiny_llama):
+    model, t = traced(tiny_llama)
+    layers = model.config.num_hidden_layers
+    before_ops, before = ops(t.graph_module), run(model, t)
+    assert before_ops["atom.unified_attention.default"] == layers
+    assert apply(t, "rope_cache") == {"rope_cache": layers}
+    after_ops = ops(t.graph_module)
+    assert after_ops["atom.rotary_embedding.default"] == 0
+    assert after_ops["atom.unified_attention.default"] == 0
+    assert after_ops["atom.rope_and_cache.default"] == layers
+    assert after_ops["atom.paged_attention.default"] == layers
+    assert_same_outputs(before, run(model, t))
+
+
+def test_qk_norm_rope_cache_on_qwen3(tiny_qwen3):
+    model, t = traced(tiny_qwen3)
+    layers = model.config.num_hidden_layers
+    before_ops, before = ops(t.graph_module), run(model, t)
+    assert apply(t, "qk_norm_rope_cache", "rope_cache") == {"qk_norm_rope_cache": layers, "rope_cache": 0}
+    after_ops = ops(t.graph_module)
+    assert after_ops["atom.qk_norm_rope_and_cache.default"] == layers
+    assert after_ops["atom.paged_attention.default"] == layers
+    # the two per-head norms of every layer went into the fused op
+    assert after_ops["atom.rms_norm.default"] == before_ops["atom.rms_norm.default"] - 2 * layers
+    assert after_ops["atom.unified_attention.default"] == after_ops["atom.rotary_embedding.default"] == 0
+    assert_same_outputs(before, run(model, t))
+
+
+def test_qk_norm_pass_does_not_match_llama(tiny_llama):
+    _, t = traced(tiny_llama)
+    assert apply(t, "qk_norm_rope_cache") == {"qk_norm_rope_cache": 0}
+
+
+def test_quant_fusions_on_fp8_model(tiny_llama):
+    model, t = traced(tiny_llama, quantization="fp8")
+    layers = model.config.num_hidden_layers
+    before_ops, before = ops(t.graph_module), run(model, t)
+    # every linear quantizes its input: qkv, o, gate_up, down per layer
+    assert before_ops["atom.quant_fp8_per_token.default"] == 4 * layers
+    matches = apply(t, "rms_norm_quant", "silu_mul_quant")
+    # input norm (first layer: no residual) and post-attention norm per layer, then down's input.
+    assert matches == {"rms_norm_quant": 2 * layers, "silu_mul_quant": layers}
+    after_ops = ops(t.graph_module)
+    assert after_ops["atom.rms_norm_quant_fp8.default"] == 1
+    assert after_ops["atom.fused_add_rms_norm_quant_fp8.default"] == 2 * layers - 1
+    assert after_ops["atom.silu_and_mul_quant_fp8.default"] == layers
+    assert after_ops["atom.silu_and_mul.default"] == 0
+    assert after_ops["atom.quant_fp8_per_token.default"] == layers  # only o_proj's input stays
+    # the final norm feeds the unquantized LM head and is left alone
+    assert after_ops["atom.fused_add_rms_norm.default"] == 1
+    # references compose the unfused ops exactly; the Triton kernels are held to FP8 tolerance in their own tests
+    assert_same_outputs(before, run(model, t), rtol=1e-5)
+
+
+def test_quant_passes_do_not_match_unquantized_model(tiny_llama):
+    _, t = traced(tiny_llama)
+    assert apply(t, "rms_norm_quant", "silu_mul_quant") == {"rms_norm_quant": 0, "silu_mul_quant": 0}
+
+
+def test_cleanup_removes_noop_cast_and_asserts(tiny_llama):
+    model, t = traced(tiny_llama)
+    before = run(model, t)
+    targets = Counter(str(n.target) for n in t.graph_module.graph.nodes)
+    assert targets["aten._assert_tensor_metadata.default"] == 1 and targets["aten.to.dtype"] == 1
+    assert apply(t, "cleanup")["cleanup"] >= 2
+    targets = Counter(str(n.target) for n in t.graph_module.graph.nodes)
+    assert targets["aten._assert_tensor_metadata.default"] == 0 and targets["aten.to.dtype"] == 0
+    assert_same_outputs(before, run(model, t))
+
+
+def test_cleanup_keeps_cache_writes_without_users(tiny_llama):
+    """reshape_and_cache returns nothing; dead-code elimination must not drop it."""
+    model, t = traced(tiny_llama)
+    before = run(model, t)
+    graph = t.graph_module.graph
+    for node in list(graph.nodes):
+        if node.target is torch.ops.atom.unified_attention.default:
+            q, k, v, cache, slots, tables, lens, starts, scale = node.args
+            with graph.inserting_before(node):
+                graph.call_function(torch.ops.atom.reshape_and_cache.default, (k, v, cache, slots))
+                read = graph.call_function(torch.ops.atom.paged_attention.default, (q, cache, tables, lens, starts, scale))
+            node.replace_all_uses_with(read)
+            graph.erase_node(node)
+    apply(t, "cleanup")
+    assert ops(t.graph_module)["atom.reshape_and_cache.default"] == model.config.num_hidden_layers
+    assert_same_outputs(before, run(model, t))
+
+
+def test_pipeline_edits():
+    assert resolve_pipeline(None) == ["rms_norm_quant", "silu_mul_quant", "qk_norm_rope_cache", "rope_cache", "cleanup"]
+    assert resolve_pipeline("-rope_cache,-cleanup") == ["rms_norm_quant", "silu_mul_quant", "qk_norm_rope_cache"]
+    assert resolve_pipeline(["rope_cache", "cleanup"]) == ["rope_cache", "cleanup"]
+    with pytest.raises(KeyError, match="unknown pass 'nope'"):
+        resolve_pipeline("+nope")
+    with pytest.raises(ValueError, match="mix of pass names"):
+        resolve_pipeline("rope_cache,-cleanup")
+
+
+def test_user_pass_registers_and_runs(tiny_llama):
+    @ac.register_pass("count_linears", description="counts linear layers")
+    def count_linears(gm) -> int:
+        return sum(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes)
+
+    try:
+        assert "count_linears" in [p.name for p in ac.list_passes()]
+        assert resolve_pipeline("+count_linears")[-2:] == ["count_linears", "cleanup"]
+        _, t = traced(tiny_llama)
+        assert apply(t, "count_linears") == {"count_linears": 4 * 2 + 1}
+    finally:
+        ac.unregister_pass("count_linears")
