@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", type=Path, required=True, help="artifact directory to write")
     export.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     export.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    export.add_argument("--passes", default=None, help="pass names, or +name,-name edits of the default list (write --passes=-name)")
+    export.add_argument(
+        "--passes", default=None, help="pass names, or +name,-name edits of the default list (write --passes=-name)"
+    )
     export.add_argument("--level", type=int, default=3, choices=LEVELS, help="0: eager FX pieces; 3: Inductor")
     export.add_argument("--max-model-len", type=int, default=None)
     export.add_argument("--max-num-seqs", type=int, default=256)

@@ -60,7 +60,9 @@ def test_manifest_records_the_build(llama_artifact):
 SHIM = """#!/bin/sh
 case "$*" in -v|--version|-dumpversion|-dumpfullversion) exec {real} "$@";; esac  # probes, not compiles
 for arg in "$@"; do
-  case "$arg" in *.cpp|*.c) if grep -Eq '__(avx|avx512|avx2|amx)[a-z0-9_]*_chk_kernel' "$arg" 2>/dev/null; then exec {real} "$@"; fi;; esac
+  case "$arg" in *.cpp|*.c)
+    if grep -Eq '__(avx|amx)[a-z0-9_]*_chk_kernel' "$arg" 2>/dev/null; then exec {real} "$@"; fi;;
+  esac
 done
 echo "$0 $*" >> {log}
 exec {real} "$@"
@@ -80,7 +82,8 @@ from atom_runtime import LLM, SamplingParams
 llm = LLM(sys.argv[1])
 outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 from torch._dynamo.utils import counters
-print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "dynamo_frames": sum(counters["frames"].values())}}))
+frames = sum(counters["frames"].values())
+print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "dynamo_frames": frames}}))
 """
 
 

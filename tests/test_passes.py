@@ -124,7 +124,9 @@ def test_cleanup_keeps_cache_writes_without_users(tiny_llama):
             q, k, v, cache, slots, tables, lens, starts, scale = node.args
             with graph.inserting_before(node):
                 graph.call_function(torch.ops.atom.reshape_and_cache.default, (k, v, cache, slots))
-                read = graph.call_function(torch.ops.atom.paged_attention.default, (q, cache, tables, lens, starts, scale))
+                read = graph.call_function(
+                    torch.ops.atom.paged_attention.default, (q, cache, tables, lens, starts, scale)
+                )
             node.replace_all_uses_with(read)
             graph.erase_node(node)
     apply(t, "cleanup")
