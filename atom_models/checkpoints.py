@@ -2,6 +2,7 @@
 
     python -m atom_models.checkpoints tiny-llama /tmp/tiny-llama
     python -m atom_models.checkpoints llama-3-8b /tmp/llama-3-8b --dtype bfloat16
+    python -m atom_models.checkpoints llama-3-8b /tmp/llama-3-8b-config --config-only   # for --load-dummy
 
 Each directory gets config.json, safetensors weights and a byte-level BPE tokenizer with
 a ChatML chat template, so every part of atom (tokenizer, chat, detokenizer) runs on it.
@@ -120,6 +121,14 @@ def make_config(preset: str | dict, **overrides) -> PretrainedConfig:
     return config
 
 
+def make_config_only(path: str | Path, preset: str | dict, **overrides) -> Path:
+    """config.json and the tokenizer, no weights: enough for `--load-dummy` exports and benchmarks."""
+    path = Path(path)
+    make_config(preset, **overrides).save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+    return path
+
+
 def make_random_checkpoint(
     path: str | Path,
     preset: str | dict = "tiny-llama",
@@ -145,8 +154,14 @@ def main() -> None:
     parser.add_argument("output", type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config-only", action="store_true", help="no weights: for --load-dummy runs")
+    parser.add_argument("--num-hidden-layers", type=int, default=None, help="override the preset's depth")
     args = parser.parse_args()
-    make_random_checkpoint(args.output, args.preset, dtype=getattr(torch, args.dtype), seed=args.seed)
+    overrides = {} if args.num_hidden_layers is None else {"num_hidden_layers": args.num_hidden_layers}
+    if args.config_only:
+        make_config_only(args.output, args.preset, **overrides)
+    else:
+        make_random_checkpoint(args.output, args.preset, dtype=getattr(torch, args.dtype), seed=args.seed, **overrides)
     print(f"wrote {args.preset} to {args.output}")
 
 
