@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+# NONE: no graphs. FULL: the whole forward of pure-decode batches replays a captured graph.
+CUDAGRAPH_MODES = ("NONE", "FULL")
+DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8, *range(16, 513, 16)]
 
 
 @dataclass
@@ -20,6 +23,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto = the model's dtype
     max_logprobs: int = 20
     enforce_eager: bool = False
+    cudagraph_mode: str = "FULL"
+    cudagraph_capture_sizes: list[int] | None = None  # default: 1, 2, 4, 8, 16, 32, 48, ..., 512
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -31,3 +36,15 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.cudagraph_mode = self.cudagraph_mode.upper()
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
+        if self.cudagraph_capture_sizes is not None and any(s < 1 for s in self.cudagraph_capture_sizes):
+            raise ValueError(f"cudagraph_capture_sizes must be positive, got {self.cudagraph_capture_sizes}")
+
+    def graph_capture_sizes(self) -> list[int]:
+        """Decode batch sizes to capture (none when eager), capped by max_num_seqs."""
+        if self.enforce_eager or self.cudagraph_mode == "NONE":
+            return []
+        sizes = self.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
+        return sorted({s for s in sizes if s <= self.max_num_seqs})

@@ -11,9 +11,20 @@ import argparse
 import dataclasses
 from typing import Any
 
-from atom_runtime.config import KV_CACHE_DTYPES, EngineConfig
+from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
 
 _DEFAULTS = EngineConfig()
+
+
+def capture_sizes(text: str) -> list[int]:
+    """ATOM's list syntax, "[1,2,4,8]", or plain "1,2,4,8"."""
+    try:
+        sizes = [int(s) for s in text.strip().strip("[]").split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a list of integers like [1,2,4,8], got {text!r}") from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("the list of capture sizes is empty")
+    return sizes
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +70,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--enforce-eager", action="store_true", default=_DEFAULTS.enforce_eager, help="never capture CUDA graphs"
+    )
+    group.add_argument(
+        "--cudagraph-mode",
+        type=str.upper,
+        choices=CUDAGRAPH_MODES,
+        default=_DEFAULTS.cudagraph_mode,
+        help="FULL: decode batches replay captured CUDA graphs; NONE: never",
+    )
+    group.add_argument(
+        "--cudagraph-capture-sizes",
+        type=capture_sizes,
+        default=_DEFAULTS.cudagraph_capture_sizes,
+        help='decode batch sizes to capture, as a list: "[1,2,4,8,16,32]" (default: 1, 2, 4, 8, 16, 32, ..., 512)',
     )
     group.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="random seed")
     group.add_argument(

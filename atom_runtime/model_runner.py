@@ -20,8 +20,10 @@ from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
+from atom_runtime.cuda_graphs import DecodeGraphs
 from atom_runtime.sampler import SampledTokens, Sampler
 from atom_runtime.scheduler import ScheduledChunk
+from atom_runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +54,22 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_dtype = {"auto": model.dtype, "bf16": torch.bfloat16, "fp8": FP8_DTYPE}[config.kv_cache_dtype]
         self.max_model_len = config.max_model_len
+        self.capture_sizes = config.graph_capture_sizes() if self.device.type == "cuda" else []
         self.num_blocks = self._decide_num_blocks()
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
         logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size, self.kv_dtype)
+        self.inputs = StepInputs(
+            max(config.max_num_batched_tokens, max(self.capture_sizes, default=0)),
+            config.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            self.block_size,
+            self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if self.capture_sizes:
+            self.graphs = DecodeGraphs(self, self.capture_sizes)
+            self.graphs.capture()
 
     @property
     def block_bytes(self) -> int:
@@ -81,8 +95,9 @@ class ModelRunner:
         torch.cuda.synchronize()
         activation_peak = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
+        graph_bytes = self._graph_memory() if self.capture_sizes else 0
         free, total = torch.cuda.mem_get_info()
-        available = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        available = total * self.config.gpu_memory_utilization - (total - free) - activation_peak - graph_bytes
         num_blocks = int(available // self.block_bytes)
         if num_blocks < 1:
             raise RuntimeError(
@@ -91,6 +106,22 @@ class ModelRunner:
                 "raise it or lower max_num_batched_tokens"
             )
         return num_blocks
+
+    def _graph_memory(self) -> int:
+        """Memory the decode graphs will hold: the largest one captured over a one-block cache, with margin."""
+        size = max(self.capture_sizes)
+        cache = torch.zeros(
+            (2, 1, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.kv_dtype, device=self.device
+        )
+        self.kv_caches = [cache] * self.num_layers
+        self.inputs = StepInputs(size, size, 1, self.block_size, self.device)
+        free_before = torch.cuda.mem_get_info()[0]
+        trial = DecodeGraphs(self, [size])
+        trial.capture(progress=False)
+        used = free_before - torch.cuda.mem_get_info()[0]
+        del trial, self.kv_caches, self.inputs, cache
+        torch.cuda.empty_cache()
+        return int(used * 1.2) + (2 << 20) * len(self.capture_sizes)
 
     def profile_run(self) -> None:
         """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory."""
@@ -129,49 +160,26 @@ class ModelRunner:
         del cache
 
     def _tensor(self, values, dtype: torch.dtype) -> Tensor:
-        t = torch.as_tensor(np.asarray(values), dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
-
-    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        bs = self.block_size
-        max_blocks = max(len(c.seq.block_table) for c in chunks)
-        block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-        input_ids, positions, slots = [], [], []
-        query_lens = np.empty(len(chunks), dtype=np.int64)
-        seq_lens = np.empty(len(chunks), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            table = np.asarray(c.seq.block_table, dtype=np.int64)
-            block_tables[i, : len(table)] = table
-            pos = np.arange(c.start, c.start + c.num_tokens)
-            input_ids.append(c.seq.token_ids[c.start : c.start + c.num_tokens])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            query_lens[i] = c.num_tokens
-            seq_lens[i] = c.start + c.num_tokens
-        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
-        logits_indices = (query_start_loc[1:] - 1)[[c.samples for c in chunks]]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots), torch.int64),
-            block_tables=self._tensor(block_tables, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
-        )
-        ids = self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids]), torch.int64)
-        return (
-            ids,
-            self._tensor(np.concatenate(positions), torch.int64),
-            meta,
-            self._tensor(logits_indices, torch.int64),
-        )
+        return torch.as_tensor(np.asarray(values), dtype=dtype).to(self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> SampledTokens | None:
         """Run one step; returns sampled tokens for the chunks that sample, in order."""
-        input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
-        logits = self.model.forward(input_ids, positions, self.kv_caches, meta, logits_indices)
+        logits = self.forward(chunks)
         sampling = [c.seq for c in chunks if c.samples]
         if not sampling:
             return None
-        return self.sampler(logits, sampling)
+        return self.sampler(logits[: len(sampling)], sampling)
+
+    def forward(self, chunks: list[ScheduledChunk]) -> Tensor:
+        """Logits for the chunks that sample: a captured graph for decode batches, else the model as is."""
+        graph_size = self.graphs.size_for(chunks) if self.graphs is not None else None
+        if graph_size is not None:
+            self.inputs.load(chunks, pad_seqs_to=graph_size)
+            return self.graphs.replay(graph_size)
+        sizes = self.inputs.load(chunks)
+        return self.model.forward(*self._step_args(*sizes))
+
+    def _step_args(self, tokens: int, seqs: int, logits: int) -> tuple:
+        input_ids, positions, meta, logits_indices = self.inputs.views(tokens, seqs, logits)
+        return input_ids, positions, self.kv_caches, meta, logits_indices

@@ -1,0 +1,75 @@
+"""The model runner's step inputs: padded decode batches (what CUDA graphs replay) change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_runtime import LLM, SamplingParams
+from atom_runtime.config import EngineConfig
+from atom_runtime.scheduler import ScheduledChunk
+from atom_runtime.sequence import Sequence
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", block_size=4)
+    yield llm.engine.core.runner, llm.engine.core.block_manager
+    llm.shutdown()
+
+
+def prefilled(runner, block_manager, prompts: list[list[int]]) -> list[Sequence]:
+    seqs = [Sequence(str(i), 0, p, SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
+    chunks = []
+    for seq in seqs:
+        assert block_manager.allocate(seq, seq.num_tokens)
+        chunks.append(ScheduledChunk(seq, 0, seq.num_tokens))
+    with torch.inference_mode():
+        logits = runner.forward(chunks)
+    for seq, token in zip(seqs, logits.argmax(-1).tolist(), strict=True):
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(token)
+        assert block_manager.allocate(seq, 1)
+    return seqs
+
+
+def test_padded_decode_step_equals_unpadded(runner):
+    runner, block_manager = runner
+    seqs = prefilled(runner, block_manager, [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]])
+    chunks = [ScheduledChunk(s, s.num_tokens - 1, 1) for s in seqs]
+    cache_before = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        plain = runner.model.forward(*runner._step_args(*runner.inputs.load(chunks))).clone()
+        for c, before in zip(runner.kv_caches, cache_before, strict=True):
+            c.copy_(before)
+        tokens, num_seqs, logits = runner.inputs.load(chunks, pad_seqs_to=8)
+        assert (tokens, num_seqs, logits) == (8, 8, 8)
+        padded = runner.model.forward(*runner._step_args(tokens, num_seqs, logits))
+    torch.testing.assert_close(padded[:3], plain)
+    for seq in seqs:
+        block_manager.free(seq)
+
+
+def test_capture_sizes_follow_config():
+    assert EngineConfig(max_num_seqs=40).graph_capture_sizes() == [1, 2, 4, 8, 16, 32]
+    assert EngineConfig(enforce_eager=True).graph_capture_sizes() == []
+    assert EngineConfig(cudagraph_mode="none").graph_capture_sizes() == []
+    assert EngineConfig(cudagraph_capture_sizes=[3, 1, 3]).graph_capture_sizes() == [1, 3]
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
+        EngineConfig(cudagraph_mode="SOMETIMES")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decode_equals_eager(tiny_llama):
+    prompts = ["Hello", "The quick brown fox jumps", "a b c"] * 3
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    graphed = LLM(tiny_llama, device="cuda", cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    eager = LLM(tiny_llama, device="cuda", enforce_eager=True)
+    try:
+        assert graphed.engine.core.runner.graphs is not None
+        assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [
+            o.outputs[0].token_ids for o in eager.generate(prompts, params)
+        ]
+    finally:
+        graphed.shutdown()
+        eager.shutdown()
