@@ -33,8 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-model-len", type=int, default=None)
     export.add_argument("--max-num-seqs", type=int, default=256)
     export.add_argument("--quantization", default=None, choices=["fp8"], help="quantize weights online")
-    export.add_argument("--weights", default="reference", choices=WEIGHT_MODES,
-                        help="reference the checkpoint (verified by fingerprint) or copy weights in")
+    export.add_argument(
+        "--weights",
+        default="reference",
+        choices=WEIGHT_MODES,
+        help="reference the checkpoint (by fingerprint), copy weights in, or dummy (random at load)",
+    )
     export.add_argument("--load-dummy", "--load_dummy", action="store_true", help="random weights (benchmarks)")
     export.add_argument("--backend", default=None, choices=["torch", "triton", "aiter"], help="ops backend")
 
@@ -52,9 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             options = ExportOptions(
-                device=args.device, dtype=args.dtype, passes=args.passes, level=args.level,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, quantization=args.quantization,
-                weights=args.weights, load_dummy=args.load_dummy, backend=args.backend,
+                device=args.device,
+                dtype=args.dtype,
+                passes=args.passes,
+                level=args.level,
+                max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs,
+                quantization=args.quantization,
+                weights=args.weights,
+                load_dummy=args.load_dummy,
+                backend=args.backend,
             )
             export_model(args.model_dir, args.output, options)
         elif args.command == "passes":
@@ -78,8 +89,10 @@ def show(path: Path, piece: str | None, svg: Path | None) -> None:
     entries = manifest["pieces"]
     if piece is not None and piece not in entries:
         raise KeyError(f"no piece {piece!r}; pieces: {', '.join(entries)}")
-    print(f"{path}: {manifest['architecture']}, {manifest['dtype']} on {manifest['device']} "
-          f"({manifest['device_capability']}), level {manifest['level']}, ops backend {manifest['ops_backend']}")
+    print(
+        f"{path}: {manifest['architecture']}, {manifest['dtype']} on {manifest['device']} "
+        f"({manifest['device_capability']}), level {manifest['level']}, ops backend {manifest['ops_backend']}"
+    )
     print("\npasses:")
     for record in manifest["passes"]:
         print(f"  {record['name']:<22} v{record['version']}  fired {record['matches']}×")

@@ -27,7 +27,7 @@ from atom_models.ops import available_backends, default_backend, use_backend
 logger = logging.getLogger(__name__)
 
 LEVELS = (0, 3)  # 0: pieces run as eager FX code; 3: pieces compiled by Inductor (ATOM's levels)
-WEIGHT_MODES = ("reference", "copy")
+WEIGHT_MODES = ("reference", "copy", "dummy")
 
 
 @dataclass
@@ -39,7 +39,9 @@ class ExportOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     quantization: str | None = None
-    weights: str = "reference"  # "copy" writes the (packed, possibly quantized) weights into the artifact
+    # "reference": the checkpoint, verified by fingerprint; "copy": the (packed, possibly quantized) weights
+    # written into the artifact; "dummy": random weights at load (benchmarks without a checkpoint)
+    weights: str = "reference"
     load_dummy: bool = False
     backend: str | None = None  # ops backend; default: the best one for the device
 
@@ -49,7 +51,9 @@ class ExportOptions:
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.load_dummy and self.weights == "reference":
-            self.weights = "copy"  # dummy weights exist nowhere else
+            self.weights = "dummy"
+        if self.weights == "dummy":
+            self.load_dummy = True
 
 
 def _say(message: str) -> None:
@@ -165,6 +169,8 @@ def _write_pieces(staging: Path, top, pieces: list[Piece], level: int, device: t
 
 
 def _write_weights(staging: Path, model: torch.nn.Module, model_dir: Path, options: ExportOptions) -> dict:
+    if options.weights == "dummy":
+        return {"mode": "dummy"}
     if options.weights == "copy":
         (staging / "weights").mkdir()
         tensors = {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()}

@@ -20,7 +20,7 @@ from atom_compile.graphs.compile import load_compiled_piece
 from atom_compile.trace import GraphInput, graph_arguments, model_weights
 from atom_models import load_config
 from atom_models.layers import AttentionMetadata
-from atom_models.loader import DTYPES, build_model, load_weights
+from atom_models.loader import DTYPES, build_model, fill_dummy_weights, load_weights
 from atom_models.ops import set_backend
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class CompiledModel:
         quant = self.manifest["quantization"]
         model = build_model(self.config, self.dtype, self.device, quant)
         source = self.manifest["weights"]
-        if source["mode"] == "copy":
+        if source["mode"] == "dummy":
+            fill_dummy_weights(model)
+        elif source["mode"] == "copy":
             params = dict(model.named_parameters())
             with safe_open(str(self.path / source["file"]), framework="pt", device=str(self.device)) as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)

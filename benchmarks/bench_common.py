@@ -1,0 +1,74 @@
+"""Shared by the benchmark scripts: dummy-weight artifacts of real model shapes, copy bandwidth, tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from atom_models.checkpoints import make_config_only
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def dummy_artifact(preset: str, workdir: Path, device: str, passes: str | None = None, **overrides) -> Path:
+    """Export `preset` with random weights (config only, nothing on disk but the artifact)."""
+    import atom_compile
+
+    name = f"{preset}-{'default' if passes is None else passes.replace(',', '_')}"
+    model_dir = make_config_only(workdir / f"{name}-config", preset, **overrides)
+    artifact = workdir / f"{name}-artifact"
+    started = time.perf_counter()
+    atom_compile.export(model_dir, artifact, device=device, load_dummy=True, passes=passes, dtype="bfloat16")
+    print(f"exported {preset} ({passes or 'default passes'}) in {time.perf_counter() - started:.1f} s")
+    return artifact
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / sorted(times)[len(times) // 2]
+
+
+def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format)."""
+    print(f"\n{title}")
+    print("  ".join(f"{header:>{max(len(header), 8)}}" for _, header, _ in columns))
+    for row in rows:
+        cells = []
+        for key, header, fmt in columns:
+            value = row.get(key)
+            text = "-" if value is None else format(value, fmt)
+            cells.append(f"{text:>{max(len(header), 8)}}")
+        print("  ".join(cells))
+
+
+def write_json(path: Path, payload: dict) -> None:
+    payload = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")

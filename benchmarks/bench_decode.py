@@ -1,0 +1,121 @@
+"""Decode ms/step against the weight-read roofline (weight bytes ÷ copy bandwidth measured in the same run).
+
+    python benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400
+    python benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256
+
+Exports the preset with random weights, then for each batch size runs `LLM.generate` with
+`context`-token prompts and reports two times per decode step: `engine` (the whole step,
+scheduling and sampling included: generate with N+1 tokens minus generate with 1, over N)
+and `graph` (replaying the step's CUDA graph alone, timed with CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_common import copy_bandwidth, device_name, dummy_artifact, print_table, write_json
+
+from atom_models.llama import head_dim_of
+from atom_runtime import LLM, SamplingParams
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return time.perf_counter() - started
+
+
+def graph_step_ms(llm: LLM, batch: int, reps: int = 50) -> float | None:
+    graphs = llm.engine.core.runner.graphs
+    if graphs is None or batch not in graphs.graphs:
+        return None
+    for _ in range(5):
+        graphs.replay(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graphs.replay(batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--artifact", type=Path, default=None, help="use this artifact instead of exporting")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--context", type=int, default=400, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
+    parser.add_argument("--out", type=Path, default=Path("bench_decode.json"))
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = args.artifact or dummy_artifact(args.preset, Path(tmp), "cuda")
+        llm = LLM(
+            artifact,
+            max_num_seqs=max(args.batch_sizes),
+            max_model_len=args.context + args.steps + 16,
+            enable_prefix_caching=False,
+            cudagraph_capture_sizes=args.batch_sizes,
+        )
+        config = llm.engine.core.runner.model.config
+        weights = llm.engine.core.runner.model.forward.weights
+        weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values())
+        bandwidth = copy_bandwidth()
+        kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * 2
+        generator = torch.Generator().manual_seed(0)
+        rows = []
+        for batch in args.batch_sizes:
+            prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
+            timed_generate(llm, prompts, 4)  # warm-up
+            full = timed_generate(llm, prompts, args.steps + 1)
+            prefill = timed_generate(llm, prompts, 1)
+            engine_ms = (full - prefill) / args.steps * 1e3
+            kv_bytes = batch * (args.context + args.steps // 2) * kv_token_bytes
+            roofline_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+            rows.append(
+                {
+                    "batch": batch,
+                    "engine_ms": engine_ms,
+                    "graph_ms": graph_step_ms(llm, batch),
+                    "roofline_ms": roofline_ms,
+                    "weights_only_roofline_ms": weight_bytes / bandwidth * 1e3,
+                    "fraction_of_roofline": roofline_ms / engine_ms,
+                    "tokens_per_s": batch / engine_ms * 1e3,
+                }
+            )
+        llm.shutdown()
+    print_table(
+        f"decode, {args.preset}, bf16, context {args.context}, {device_name()}, copy {bandwidth / 1e12:.2f} TB/s, "
+        f"weights {weight_bytes / 1e9:.2f} GB",
+        rows,
+        [
+            ("batch", "batch", "d"),
+            ("engine_ms", "engine ms", ".3f"),
+            ("graph_ms", "graph ms", ".3f"),
+            ("roofline_ms", "roofline ms", ".3f"),
+            ("fraction_of_roofline", "of roofline", ".2f"),
+            ("tokens_per_s", "tok/s", ".0f"),
+        ],
+    )
+    write_json(
+        args.out,
+        {
+            "preset": args.preset,
+            "context": args.context,
+            "copy_bandwidth": bandwidth,
+            "weight_bytes": weight_bytes,
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
