@@ -98,56 +98,76 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, b
         return (lambda: run(k, v, False)), True
 
 
-def bench_prefill(batch: int, seq: int, configs: list[attention.AttentionConfig]) -> list[dict]:
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged cache's keys and values of every sequence as [b, kv_heads, seq, d], for SDPA."""
+    k, v = (c[tables.long()].flatten(1, 2)[:, :seq].transpose(1, 2).contiguous() for c in cache)
+    return k, v
+
+
+def bench_prefill(batch: int, seq: int, configs: list[attention.AttentionConfig], check: bool) -> list[dict]:
+    """Causal prefill of `batch` fresh sequences; with `check`, every output against the reference."""
     flops = 4 * batch * Q_HEADS * seq * seq * HEAD_DIM / 2
     rows = []
     q, cache, tables, seq_lens, qsl = paged_batch([seq] * batch, [seq] * batch)
     scale = HEAD_DIM**-0.5
+    ref = attention_ops.paged_attention_reference(q, cache, tables, seq_lens, qsl, scale) if check else None
     for config in configs:
-        ms = median_ms(partial(attention.run_paged_attention, q, cache, tables, seq_lens, qsl, scale, config))
-        rows.append(dict(kernel="ours (paged)", config=asdict(config), ms=ms, tflops=flops / ms / 1e9))
+        call = partial(attention.run_paged_attention, q, cache, tables, seq_lens, qsl, scale, config)
+        row = dict(kernel="ours (paged)", config=asdict(config))
+        if check:
+            row["rel_err"] = rel_err(call(), ref)
+        ms = median_ms(call)
+        rows.append(dict(row, ms=ms, tflops=flops / ms / 1e9))
     qb = q.view(batch, seq, Q_HEADS, HEAD_DIM).transpose(1, 2)
-    kb = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=DTYPE)
-    vb = torch.randn_like(kb)
+    kb, vb = contiguous_kv(cache, tables, seq)
     for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             call, expanded = sdpa_call(qb, kb, vb, True, backend)
         except RuntimeError as exc:
             rows.append(dict(kernel=name, error=str(exc).splitlines()[0]))
             continue
+        row = dict(kernel=name + (" (K/V expanded)" if expanded else ""))
+        if check:
+            row["rel_err"] = rel_err(call().transpose(1, 2).reshape(q.shape), ref)
         ms = median_ms(call)
-        rows.append(dict(kernel=name + (" (K/V expanded)" if expanded else ""), ms=ms, tflops=flops / ms / 1e9))
+        rows.append(dict(row, ms=ms, tflops=flops / ms / 1e9))
     for row in rows:
         row.update(case=f"prefill {batch}x{seq}")
     return rows
 
 
 def bench_decode(seq_lens: list[int], label: str, configs: list[attention.AttentionConfig], sdpa: bool) -> list[dict]:
+    """One query token per sequence; each of our outputs is checked against the reference first."""
     kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
     sets = max(1, math.ceil(MIN_DECODE_BYTES / kv_bytes))
     batches = [paged_batch([1] * len(seq_lens), seq_lens) for _ in range(sets)]
+    scale = HEAD_DIM**-0.5
+    ref = attention_ops.paged_attention_reference(*batches[0], scale)
     rows = []
     for config in configs:
-        calls = [partial(attention.run_paged_attention, *b, HEAD_DIM**-0.5, config) for b in batches]
-        ms = graph_ms(calls)
-        rows.append(dict(kernel="ours (paged)", config=asdict(config), ms=ms, tbps=kv_bytes / ms / 1e9))
-    del batches
+        err = rel_err(attention.run_paged_attention(*batches[0], scale, config), ref)
+        ms = graph_ms([partial(attention.run_paged_attention, *b, scale, config) for b in batches])
+        rows.append(dict(kernel="ours (paged)", config=asdict(config), rel_err=err, ms=ms, tbps=kv_bytes / ms / 1e9))
     if sdpa and len(set(seq_lens)) == 1:
-        ctx = seq_lens[0]
         for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
-            inputs = []
             try:
-                for _ in range(sets):
-                    q = torch.randn(len(seq_lens), Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
-                    k = torch.randn(len(seq_lens), KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=DTYPE)
-                    inputs.append(sdpa_call(q, k, torch.randn_like(k), False, backend))
+                inputs = [
+                    sdpa_call(q.unsqueeze(2), *contiguous_kv(cache, tables, seq_lens[0]), False, backend)
+                    for q, cache, tables, _, _ in batches
+                ]
             except RuntimeError as exc:
                 rows.append(dict(kernel=name, error=str(exc).splitlines()[0]))
                 continue
             expanded = inputs[0][1]
+            err = rel_err(inputs[0][0]().reshape(ref.shape), ref)
             ms = graph_ms([call for call, _ in inputs])
             read = kv_bytes * (Q_HEADS // KV_HEADS if expanded else 1)
-            rows.append(dict(kernel=name + (" (K/V expanded)" if expanded else ""), ms=ms, tbps=read / ms / 1e9))
+            name += " (K/V expanded)" if expanded else ""
+            rows.append(dict(kernel=name, rel_err=err, ms=ms, tbps=read / ms / 1e9))
             del inputs
     for row in rows:
         row.update(case=f"decode {label}")
@@ -192,43 +212,31 @@ def bench_row_kernels(copy_tbps: float) -> list[dict]:
     return rows
 
 
-def sweep_configs(base: attention.AttentionConfig) -> tuple[list, list]:
-    prefill = [base] + [
-        replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
-        for m, n, w, s in [
-            (128, 64, 8, 2),
-            (128, 128, 8, 2),
-            (128, 32, 4, 3),
-            (128, 32, 4, 4),
-            (128, 64, 4, 2),
-            (64, 64, 4, 3),
-            (64, 32, 4, 4),
+def sweep_configs(base: attention.AttentionConfig) -> list[attention.AttentionConfig]:
+    """The default first, then variations of one field group at a time."""
+    return (
+        [base]
+        + [
+            replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
+            for m, n, w, s in [(128, 32, 4, 4), (128, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 4)]
         ]
-    ]
-    decode = [base] + [
-        replace(base, decode_block_n=n, decode_warps=w, decode_stages=s, decode_waves=waves)
-        for n, w, s, waves in [
-            (128, 4, 2, 8),
-            (32, 2, 3, 8),
-            (64, 2, 3, 8),
-            (32, 4, 4, 8),
-            (64, 4, 3, 2),
-            (32, 2, 3, 4),
-        ]
-    ]
-    return prefill, decode
+        + [replace(base, decode_block_n=n, decode_waves=waves) for n, waves in [(32, 8), (128, 8), (64, 4), (64, 16)]]
+    )
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'case':<34}{'kernel':<34}{'ms':>9}{'TFLOP/s':>10}{'TB/s':>8}  config")
+HEADER = f"{'case':<30}{'kernel':<28}{'ms':>9}{'TFLOP/s':>9}{'TB/s':>7}{'rel_err':>9}  config"
+
+
+def print_rows(rows: list[dict]) -> None:
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:<34}{r['kernel']:<34}  error: {r['error'][:80]}")
+            print(f"{r['case']:<30}{r['kernel']:<28}  error: {r['error'][:80]}")
             continue
         tflops = f"{r['tflops']:.0f}" if "tflops" in r else ""
         tbps = f"{r['tbps']:.2f}" if "tbps" in r else ""
+        err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
         config = ",".join(str(v) for v in r["config"].values()) if "config" in r else ""
-        print(f"{r['case']:<34}{r['kernel']:<34}{r['ms']:>9.4f}{tflops:>10}{tbps:>8}  {config}")
+        print(f"{r['case']:<30}{r['kernel']:<28}{r['ms']:>9.4f}{tflops:>9}{tbps:>7}{err:>9}  {config}", flush=True)
 
 
 def main() -> None:
@@ -240,21 +248,27 @@ def main() -> None:
         raise SystemExit("bench_kernels needs a CUDA device")
     torch.manual_seed(0)
     base = attention.default_config(HEAD_DIM)
-    prefill_configs, decode_configs = sweep_configs(base) if args.sweep else ([base], [base])
+    configs = sweep_configs(base) if args.sweep else [base]
 
+    print(HEADER, flush=True)
     copy_tbps = copy_bandwidth()
-    print(f"copy bandwidth: {copy_tbps:.2f} TB/s", flush=True)
     rows = [dict(case="copy 1 GiB", kernel="torch copy_", ms=0.0, tbps=copy_tbps)]
-    rows += bench_prefill(8, 1024, prefill_configs)
-    rows += bench_prefill(1, 8192, [base])
+    print_rows(rows)
+    steps = [
+        partial(bench_prefill, 8, 1024, configs, check=True),
+        partial(bench_prefill, 1, 8192, configs[:1], check=False),
+    ]
     gen = torch.Generator().manual_seed(1)
     for batch, ctx in ((64, 2048), (128, 1536), (256, 1024)):
-        rows += bench_decode([ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True)
         mixed = torch.randint(1024, 2049, (batch,), generator=gen).tolist()
-        rows += bench_decode(mixed, f"b{batch} ctx1024-2048", [base], sdpa=False)
-    rows += bench_decode([4096], "b1 ctx4096", decode_configs, sdpa=True)
-    rows += bench_row_kernels(copy_tbps)
-    print_table(rows)
+        steps.append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", configs, sdpa=True))
+        steps.append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", configs[:1], sdpa=False))
+    steps.append(partial(bench_decode, [4096], "b1 ctx4096", configs, sdpa=True))
+    steps.append(partial(bench_row_kernels, copy_tbps))
+    for step in steps:
+        new_rows = step()
+        print_rows(new_rows)
+        rows += new_rows
 
     props = torch.cuda.get_device_properties(0)
     try:

@@ -293,6 +293,13 @@ def test_paged_attention_many_sequences():
     check_attention(2, 1, 16, 4, lens)
 
 
+def test_paged_attention_split_tickets_reset():
+    """The last decode split resets its arrival counter, so back-to-back calls merge correctly."""
+    for lens in ([(1, 23), (1, 5), (3, 9)], [(1, 40), (2, 7), (1, 12), (1, 2)]):
+        check_attention(4, 2, 16, 4, lens)
+    assert not attention._ticket_counters(torch.empty(0, device=DEVICE).device, 1).any()
+
+
 def test_paged_attention_fp8_cache():
     check_attention(4, 2, 32, 16, MIXED, kv_dtype=FP8_DTYPE)
 

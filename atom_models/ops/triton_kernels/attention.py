@@ -1,21 +1,26 @@
-"""Paged attention over mixed batches: causal prefill chunks and split-KV decode in one call.
+"""Paged attention over mixed batches: causal prefill chunks and split-KV decode in one launch.
 
-Two launches, both sized from tensor shapes alone so that a step can be captured in a CUDA
-graph, with no host synchronisation:
+One kernel, `_attention_kernel`, with a grid sized from tensor shapes alone (a step can be
+captured in a CUDA graph; nothing synchronises with the host). Along axis 1 runs the KV head;
+axis 0 holds two kinds of program:
 
-1. `_decode_partial_kernel`, grid (seqs, kv_heads, splits): for each sequence with exactly one
-   query token (decode), each program attends over one slice of the context and writes a
-   partial output and its log-sum-exp to scratch (flash-decoding). Splitting the context lets
-   a single long sequence use every multiprocessor. Programs of other sequences exit at once.
-2. `_attention_kernel`, grid (query tiles, kv_heads): tiles cover the flat token dimension as
-   `query_start_loc[s] // BLOCK_Q + s + j` (sequence s, tile j), so the tile count never exceeds
-   `cdiv(tokens, BLOCK_Q) + seqs`, and each program finds its sequence by binary search.
-   A tile of a prefill chunk runs flash attention over the paged context, keys outside the
-   causal diagonal without masks, the diagonal with them. The tile of a decode sequence
-   merges that sequence's split partials. Tiles past the last sequence zero the padding tokens.
+- `seqs * splits` decode programs (flash-decoding). For a sequence with exactly one query
+  token, program (seq, split) attends over one slice of the context; splitting lets even a
+  single long sequence use every multiprocessor. Each writes its partial output and
+  log-sum-exp to scratch and takes a ticket; the split that arrives last merges the partials
+  into the output and resets the ticket counter. Programs of other sequences do nothing.
+- query-tile programs. Tiles cover the flat token dimension as `query_start_loc[s] // BLOCK_Q
+  + s + j` (sequence s, tile j), so there are at most `cdiv(tokens, BLOCK_Q) + seqs` of them and
+  each finds its sequence by counting the sequences that start before it. A tile of a prefill
+  chunk runs flash attention over the paged context: keys before the causal diagonal without
+  masks, the diagonal with them. Tiles past the last sequence zero the padding tokens; tiles of
+  decode sequences do nothing.
 
-GQA: a tile's rows are (token, head) pairs of all query heads sharing one KV head, so each
-key/value tile is loaded once per group. Scores and softmax are fp32; probabilities are
+One launch matters for decode: at batch 1 the whole step takes a few microseconds, about the
+cost of a second launch.
+
+GQA: a program's rows are (token, head) pairs of all query heads that share one KV head, so
+each key/value tile is loaded once per group. Scores and softmax are fp32; probabilities are
 rounded to the activation dtype for the second product, as flash attention does.
 """
 
@@ -38,22 +43,27 @@ MAX_SPLITS = 64
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile sizes and launch parameters; `decode_waves` x multiprocessors is the decode grid's target size."""
+    """Tile sizes and launch parameters.
+
+    `block_m` rows (tokens x heads of a group) and `block_n` keys per prefill tile;
+    `decode_block_n` keys per decode tile; the decode grid aims at `decode_waves` programs per
+    multiprocessor (at most MAX_SPLITS splits a sequence).
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     decode_block_n: int
-    decode_warps: int
-    decode_stages: int
     decode_waves: int
 
 
 def default_config(head_dim: int) -> AttentionConfig:
+    # Measured on H100 (benchmarks/bench_kernels.py --sweep): 4 warps with 128x32 tiles led the
+    # prefill sweep; two such programs fit a multiprocessor and hide each other's softmax.
     if head_dim > 128:
-        return AttentionConfig(64, 32, 4, 2, 32, 4, 2, 8)
-    return AttentionConfig(128, 64, 8, 3, 64, 4, 3, 8)
+        return AttentionConfig(64, 32, 4, 2, 32, 8)
+    return AttentionConfig(128, 32, 4, 3, 64, 8)
 
 
 @triton.jit
@@ -173,43 +183,81 @@ def _attend_context(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_partial_kernel(
+@triton.jit
+def _merge_splits(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    first_part,
+    token,
+    kv_head,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """out[token] = the split partials of one sequence's query heads, weighted by their sum-exp.
+
+    All splits of a head are loaded at once (one round trip a head), bypassing L1: other
+    multiprocessors wrote them during this launch.
+    """
+    splits = tl.arange(0, SPLITS)
+    used = splits < num_splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    for g in tl.static_range(GROUP):
+        part = first_part + g * num_splits + splits
+        lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(
+            part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=used[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        w = tl.math.exp2(lse - tl.max(lse, axis=0))
+        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+        ptrs = out_ptr + token.to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh + offs_d
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _decode_program(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    query_start_loc_ptr,
+    out_ptr,
+    table_ptr,
     part_out_ptr,
     part_lse_ptr,
+    ticket_ptr,
+    seq,
+    split,
+    kv_head,
+    num_kv_heads,
+    q_start,
+    seq_len,
     num_splits,
     qk_scale,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_kb,
     stride_ks,
     stride_kh,
-    stride_bt,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_end = tl.load(query_start_loc_ptr + seq + 1)
-    seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
-    if q_end - q_start != 1:
-        return
+    """One split of one decode token's attention; the last split to finish merges them all."""
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     full_end = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-
     g = tl.arange(0, ROWS)
     head = kv_head * GROUP + g
     offs_d = tl.arange(0, HEAD_DIM)
@@ -224,7 +272,7 @@ def _decode_partial_kernel(
         q_pos,
         k_cache_ptr,
         v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        table_ptr,
         kv_head * stride_kh,
         lo,
         full_end,
@@ -238,45 +286,35 @@ def _decode_partial_kernel(
         HEAD_DIM,
     )
     nonempty = l_i > 0
-    lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), EMPTY_LSE)
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    part = (seq * tl.num_programs(1) * GROUP + head) * num_splits + split
-    tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
-    tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=(g < GROUP)[:, None])
-
-
-@triton.jit
-def _merge_splits(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    seq,
-    token,
-    kv_head,
-    num_kv_heads,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    """out[token] = the split partials of one decode sequence's query heads, weighted by their sum-exp.
-
-    All splits of a head are loaded at once, so the merge costs one round trip per head.
-    """
-    splits = tl.arange(0, SPLITS)
-    used = splits < num_splits
-    offs_d = tl.arange(0, HEAD_DIM)
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        part = (seq * num_kv_heads * GROUP + head) * num_splits + splits
-        lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"))
-        o = tl.load(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=used[:, None])
-        w = tl.math.exp2(lse - tl.max(lse, axis=0))
-        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-        ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty))
+    if num_splits == 1:
+        ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+    else:
+        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), EMPTY_LSE)
+        first_part = (seq * num_kv_heads + kv_head) * GROUP * num_splits
+        part = first_part + g * num_splits + split
+        tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
+        tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=(g < GROUP)[:, None])
+        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1)
+        if ticket == num_splits - 1:
+            tl.store(ticket_ptr, 0)  # every split has arrived: ready for the next launch
+            _merge_splits(
+                part_out_ptr,
+                part_lse_ptr,
+                out_ptr,
+                first_part,
+                q_start,
+                kv_head,
+                num_splits,
+                stride_ot,
+                stride_oh,
+                GROUP,
+                HEAD_DIM,
+                SPLITS,
+            )
 
 
 @triton.jit
@@ -294,6 +332,81 @@ def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, S
     return count - 1
 
 
+@triton.jit
+def _tile_program(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tile,
+    kv_head,
+    num_seqs,
+    num_tokens,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Causal attention of one query tile of a prefill chunk, or zeros for a tile of padding tokens."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q, 512)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + rows % GROUP_P
+    head_ok = rows % GROUP_P < GROUP
+    q_start = tl.load(query_start_loc_ptr + seq)
+    local = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within its sequence
+    token = q_start + local + rows // GROUP_P
+    out_offs = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    if seq == num_seqs:  # padding tokens past the last sequence read as zeros
+        mask = (head_ok & (token < num_tokens))[:, None]
+        tl.store(out_ptr + out_offs, tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty), mask=mask)
+    else:
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if (local < q_len) & (q_len > 1):  # one-token sequences are the decode programs' work
+            seq_len = tl.load(seq_lens_ptr + seq)
+            context = seq_len - q_len  # keys cached before this chunk
+            row_ok = head_ok & (local + rows // GROUP_P < q_len)
+            q_pos = context + local + rows // GROUP_P
+            q_offs = token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
+            hi = context + tl.minimum(local + BLOCK_Q, q_len)
+            full_end = (context + local + 1) // BLOCK_N * BLOCK_N  # every row sees every key before this
+            acc, l_i, m_i = _attend_context(
+                q,
+                q_pos,
+                k_cache_ptr,
+                v_cache_ptr,
+                block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                kv_head * stride_kh,
+                0,
+                full_end,
+                hi,
+                qk_scale,
+                stride_kb,
+                stride_ks,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_SIZE,
+                HEAD_DIM,
+            )
+            tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _attention_kernel(
     q_ptr,
@@ -305,6 +418,7 @@ def _attention_kernel(
     query_start_loc_ptr,
     part_out_ptr,
     part_lse_ptr,
+    tickets_ptr,
     num_seqs,
     num_tokens,
     num_splits,
@@ -322,78 +436,98 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DECODE_ROWS: tl.constexpr,
+    DECODE_BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
-    # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q, 512)
-
-    rows = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    head = kv_head * GROUP + rows % GROUP_P
-    head_ok = rows % GROUP_P < GROUP
-    q_start = tl.load(query_start_loc_ptr + seq)
-    local = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within its sequence
-    token = q_start + local + rows // GROUP_P
-    if seq == num_seqs:  # padding tokens past the last sequence read as zeros
-        mask = (head_ok & (token < num_tokens))[:, None]
-        ptrs = out_ptr + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(ptrs, tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty), mask=mask)
-        return
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if local >= q_len:
-        return
-    if q_len == 1:
-        _merge_splits(
-            part_out_ptr,
-            part_lse_ptr,
+    num_kv_heads = tl.num_programs(1)
+    if pid < num_seqs * num_splits:
+        seq = pid // num_splits
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_end = tl.load(query_start_loc_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
+        if q_end - q_start == 1:
+            _decode_program(
+                q_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                out_ptr,
+                block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                part_out_ptr,
+                part_lse_ptr,
+                tickets_ptr + seq * num_kv_heads + kv_head,
+                seq,
+                pid % num_splits,
+                kv_head,
+                num_kv_heads,
+                q_start,
+                seq_len,
+                num_splits,
+                qk_scale,
+                stride_qt,
+                stride_qh,
+                stride_ot,
+                stride_oh,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                GROUP,
+                DECODE_ROWS,
+                HEAD_DIM,
+                DECODE_BLOCK_N,
+                BLOCK_SIZE,
+                SPLITS,
+            )
+    else:
+        # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
+        _tile_program(
+            q_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
             out_ptr,
-            seq,
-            q_start,
+            block_tables_ptr,
+            seq_lens_ptr,
+            query_start_loc_ptr,
+            tl.num_programs(0) - 1 - pid,
             kv_head,
-            tl.num_programs(1),
-            num_splits,
+            num_seqs,
+            num_tokens,
+            qk_scale,
+            stride_qt,
+            stride_qh,
             stride_ot,
             stride_oh,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_bt,
             GROUP,
+            GROUP_P,
             HEAD_DIM,
-            SPLITS,
+            BLOCK_Q,
+            BLOCK_N,
+            BLOCK_SIZE,
         )
-        return
 
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len  # keys cached before this chunk
-    row_ok = head_ok & (local + rows // GROUP_P < q_len)
-    q_pos = context + local + rows // GROUP_P
-    row_offs = token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + row_offs, mask=row_ok[:, None], other=0.0)
-    first_pos = context + local
-    hi = context + tl.minimum(local + BLOCK_Q, q_len)
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # every row sees every key before this
-    acc, l_i, m_i = _attend_context(
-        q,
-        q_pos,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        kv_head * stride_kh,
-        0,
-        full_end,
-        hi,
-        qk_scale,
-        stride_kb,
-        stride_ks,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_SIZE,
-        HEAD_DIM,
-    )
-    out = acc / l_i[:, None]
-    out_offs = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+_tickets: dict[torch.device, Tensor] = {}
+
+
+def _ticket_counters(device: torch.device, count: int) -> Tensor:
+    """Per-(sequence, KV head) arrival counters of the decode splits.
+
+    They are zero between launches (the last split to arrive resets its counter), so they are
+    allocated and zeroed once per device, not per call: no memset in the step. The one buffer
+    serves every launch on the device, so launches must not overlap (one stream).
+    """
+    tickets = _tickets.get(device)
+    if tickets is None or tickets.numel() < count:
+        tickets = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+        _tickets[device] = tickets
+    return tickets
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -425,36 +559,13 @@ def run_paged_attention(
         return out.zero_()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     group_p = triton.next_power_of_2(group)
-    qk_scale = scale * LOG2E
+    block_q = max(1, config.block_m // group_p)
     num_splits = min(MAX_SPLITS, triton.cdiv(config.decode_waves * _multiprocessors(q.device), num_seqs * num_kv_heads))
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    common = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP=group)
-    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        part_out,
-        part_lse,
-        num_splits,
-        qk_scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        ROWS=max(16, group_p),
-        BLOCK_N=config.decode_block_n,
-        **common,
-        num_warps=config.decode_warps,
-        num_stages=config.decode_stages,
-    )
-    block_q = max(1, config.block_m // group_p)
-    _attention_kernel[(triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)](
+    tickets = _ticket_counters(q.device, num_seqs * num_kv_heads)
+    num_tiles = triton.cdiv(num_tokens, block_q) + num_seqs
+    _attention_kernel[(num_seqs * num_splits + num_tiles, num_kv_heads)](
         q,
         k_cache,
         v_cache,
@@ -464,10 +575,11 @@ def run_paged_attention(
         query_start_loc,
         part_out,
         part_lse,
+        tickets,
         num_seqs,
         num_tokens,
         num_splits,
-        qk_scale,
+        scale * LOG2E,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -476,11 +588,15 @@ def run_paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        GROUP=group,
         GROUP_P=group_p,
+        HEAD_DIM=head_dim,
         BLOCK_Q=block_q,
-        SPLITS=MAX_SPLITS,
         BLOCK_N=config.block_n,
-        **common,
+        DECODE_ROWS=max(16, group_p),
+        DECODE_BLOCK_N=config.decode_block_n,
+        BLOCK_SIZE=block_size,
+        SPLITS=MAX_SPLITS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
