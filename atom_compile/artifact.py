@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import platform
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
 import xxhash
+
+import atom_models
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -138,4 +139,4 @@ def check_source_weights(manifest: dict) -> Path:
 
 
 def atom_version() -> str:
-    return version("atom")
+    return atom_models.__version__

@@ -160,24 +160,24 @@ def _rope_cache(
     act_dtype = torch.promote_types(in_dtype, norm_weights[0].dtype) if norm_weights is not None else in_dtype
     q_out = torch.empty(q.shape, dtype=act_dtype, device=q.device) if rope else None
     k_rot = torch.empty(k.shape, dtype=act_dtype, device=k.device) if k_out else None
-    caches = (kv_cache[0], kv_cache[1]) if kv_cache is not None else (k, k)
-    q_w, k_w = norm_weights if norm_weights is not None else (k, k)
-    dummy_int = slot_mapping if slot_mapping is not None else positions
+    unused = k  # stands in for pointer arguments that the kernel's flags leave unread
+    caches = (kv_cache[0], kv_cache[1]) if kv_cache is not None else (unused, unused)
+    q_w, k_w = norm_weights if norm_weights is not None else (unused, unused)
     heads_q = q.shape[1]
     if num_tokens:
         _rope_cache_kernel[(num_tokens,)](
-            positions if rope else dummy_int,
+            positions if rope else unused,
             q,
             k,
             v,
-            cos_sin_cache if rope else k,
+            cos_sin_cache if rope else unused,
             q_w,
             k_w,
-            q_out if rope else k,
-            k_rot if k_out else k,
+            q_out if rope else unused,
+            k_rot if k_out else unused,
             caches[0],
             caches[1],
-            slot_mapping if slot_mapping is not None else positions,
+            slot_mapping if kv_cache is not None else unused,
             q.stride(0),
             q.stride(1),
             k.stride(0),
