@@ -16,8 +16,9 @@ from tqdm.auto import tqdm
 
 from atom_compile import artifact
 from atom_compile.graphs.codegen import graph_source
-from atom_compile.graphs.compile import compile_piece
+from atom_compile.graphs.compile import FORMATS, SUFFIXES, compile_piece
 from atom_compile.graphs.split import Piece, propagate_fake_values, split_at_attention
+from atom_compile.graphs.warmup import TRITON_CACHE, warm_kernels
 from atom_compile.passes import resolve_pipeline, run_passes
 from atom_compile.trace import TracedModel, trace_model
 from atom_models import load_config, resolve_dtype
@@ -100,9 +101,12 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         _say("passes: " + ", ".join(f"{r.name}×{r.matches}" for r in records))
         propagate_fake_values(traced.graph_module)
         top, pieces = split_at_attention(traced.graph_module)
+        max_model_len = options.max_model_len or model.config.max_position_embeddings
         staging = Path(tempfile.mkdtemp(prefix=".atom-export-", dir=output.parent if output.parent.exists() else None))
         try:
             piece_entries = _write_pieces(staging, top, pieces, options.level, device)
+            if device.type == "cuda":
+                warm_kernels(staging / TRITON_CACHE, top, traced, model, max_model_len)
             weights = _write_weights(staging, model, model_dir, options)
             _copy_tokenizer(model_dir, staging)
             files = [str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()]
@@ -117,7 +121,7 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
                 "level": options.level,
                 "quantization": options.quantization,
                 "passes": [asdict(r) for r in records],
-                "max_model_len": options.max_model_len or model.config.max_position_embeddings,
+                "max_model_len": max_model_len,
                 "max_num_seqs": options.max_num_seqs,
                 "export_options": asdict(options),
                 "inputs": [asdict(i) for i in traced.inputs],
@@ -150,6 +154,7 @@ def _write_pieces(staging: Path, top, pieces: list[Piece], level: int, device: t
             "key": piece.key,
             "code": code,
             "compiled": None,
+            "format": None,
             "returns_tuple": piece.returns_tuple,
             "kv_cache_op": piece.runs_eagerly,
             "eager": piece.runs_eagerly or level == 0,
@@ -159,11 +164,12 @@ def _write_pieces(staging: Path, top, pieces: list[Piece], level: int, device: t
     to_compile = [p for p in distinct.values() if not p.runs_eagerly] if level == 3 else []
     if to_compile:
         (staging / "compiled").mkdir()
+    compiled = {}
     for piece in tqdm(to_compile, desc="Compiling pieces", unit="piece", file=sys.stderr):
-        compile_piece(piece.graph_module, staging / f"compiled/piece_{piece.key}.pt2", device)
+        file = f"compiled/piece_{piece.key}{SUFFIXES[FORMATS[device.type]]}"
+        compiled[piece.key] = {"compiled": file, "format": compile_piece(piece.graph_module, staging / file, device)}
     for entry in entries.values():
-        if not entry["eager"]:
-            entry["compiled"] = f"compiled/piece_{entry['key']}.pt2"
+        entry.update(compiled.get(entry["key"], {}))
     _say(f"{len(pieces)} pieces, {len(distinct)} distinct, {len(to_compile)} compiled")
     return entries
 

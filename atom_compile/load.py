@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from atom_compile import artifact
 from atom_compile.graphs.codegen import load_graph_source
 from atom_compile.graphs.compile import load_compiled_piece
+from atom_compile.graphs.warmup import TRITON_CACHE, install_kernels
 from atom_compile.trace import GraphInput, graph_arguments, model_weights
 from atom_models import load_config
 from atom_models.layers import AttentionMetadata
@@ -43,6 +44,8 @@ class CompiledModel:
         self.config: PretrainedConfig = load_config(path)
         self.dtype = DTYPES[manifest["dtype"]]
         set_backend(manifest["ops_backend"])
+        if (path / TRITON_CACHE).is_dir():
+            install_kernels(path / TRITON_CACHE)
         self.weights = self._load_weights()
         self.forward_graph = load_graph_source((path / "graphs/model.py").read_text(), str(path / "graphs/model.py"))
         self.pieces = _Pieces(self._load_pieces())
@@ -69,7 +72,9 @@ class CompiledModel:
         for name, entry in self.manifest["pieces"].items():
             if entry["key"] not in by_key:
                 if entry["compiled"]:
-                    by_key[entry["key"]] = load_compiled_piece(self.path / entry["compiled"], entry["returns_tuple"])
+                    by_key[entry["key"]] = load_compiled_piece(
+                        self.path / entry["compiled"], entry["format"], entry["returns_tuple"]
+                    )
                 else:
                     code = self.path / entry["code"]
                     forward = load_graph_source(code.read_text(), str(code))

@@ -1,10 +1,18 @@
-"""Compile a piece with Inductor, ahead of time, into a package that loads without compiling.
+"""Compile a piece with Inductor, ahead of time, into a file that loads without compiling.
 
-Each distinct piece is exported on its own (its inputs, weights included, are plain
-arguments) and compiled with AOTInductor into a `.pt2` package: a shared library plus
-metadata that `aoti_load_package` maps in without invoking a compiler. We measured that
-`standalone_compile(...).save()` artifacts re-run the C++ compiler when loaded on CPU,
-while AOTInductor packages do not.
+Two formats, one per device, each chosen because it is the one that loads cleanly there
+(measured with torch 2.13 on CPU and torch 2.11 on H100):
+
+- CPU, "aoti": the piece is exported on its own and compiled with AOTInductor into a `.pt2`
+  package, a shared library that `aoti_load_package` maps in without invoking a compiler.
+  (`standalone_compile(...).save()` artifacts re-run g++ when they load on CPU.)
+- CUDA, "inductor": `torch._inductor.standalone_compile` on the piece's graph with its
+  symbolic sizes, saved in the binary format; loading unpacks the compiled Triton kernels
+  into the Triton cache, compiling nothing. (An AOTInductor CUDA package crashed the
+  process that loaded it, on torch 2.11.)
+
+Either way the piece's inputs, weights included, are plain arguments, so one compiled
+piece serves every layer that has its structure.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.rotary import rotary_embedding_reference
 
+FORMATS = {"cpu": "aoti", "cuda": "inductor"}
+SUFFIXES = {"aoti": ".pt2", "inductor": ".bin"}
+
 
 def inductor_decompositions() -> dict:
     """Ops Inductor generates better than an opaque call: their references, decomposed into the piece.
@@ -35,6 +46,15 @@ def inductor_decompositions() -> dict:
         torch.ops.atom.silu_and_mul.default: silu_and_mul_reference,
         torch.ops.atom.rotary_embedding.default: rotary_embedding_reference,
     }
+
+
+def register_inductor_decompositions() -> None:
+    """Make Inductor (only Inductor) expand these ops into their references when it compiles a piece."""
+    from torch._inductor.decomposition import decompositions, register_decomposition
+
+    for op, reference in inductor_decompositions().items():
+        if op not in decompositions:
+            register_decomposition(op)(reference)
 
 
 def _dim(expr: sympy.Expr, dims: dict[str, Dim]):
@@ -74,18 +94,28 @@ def example_inputs(piece: GraphModule, device: torch.device) -> tuple[list[torch
     return args, dynamic
 
 
-def compile_piece(piece: GraphModule, package: Path, device: torch.device) -> None:
-    """AOTInductor-compile `piece` for dynamic sizes into the package file `package`."""
-    args, dynamic = example_inputs(piece, device)
+def compile_piece(piece: GraphModule, path: Path, device: torch.device) -> str:
+    """Inductor-compile `piece` for dynamic sizes into `path`; returns the format used."""
+    register_inductor_decompositions()
+    fmt = FORMATS[device.type]
     with torch.no_grad():
-        exported = torch.export.export(piece, tuple(args), dynamic_shapes=tuple(dynamic))
-        exported = exported.run_decompositions(inductor_decompositions())
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(package))
+        if fmt == "aoti":
+            args, dynamic = example_inputs(piece, device)
+            exported = torch.export.export(piece, tuple(args), dynamic_shapes=tuple(dynamic))
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+        else:
+            fakes = [n.meta["val"] for n in piece.graph.nodes if n.op == "placeholder"]
+            compiled = torch._inductor.standalone_compile(piece, fakes, dynamic_shapes="from_graph")
+            compiled.save(path=str(path), format="binary")
+    return fmt
 
 
-def load_compiled_piece(package: Path, returns_tuple: bool) -> Callable:
+def load_compiled_piece(path: Path, fmt: str, returns_tuple: bool) -> Callable:
     """The compiled piece as a function with the FX piece's calling convention."""
-    runner = torch._inductor.aoti_load_package(str(package))
+    if fmt == "aoti":
+        runner = torch._inductor.aoti_load_package(str(path))
+    else:
+        runner = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
     if returns_tuple:
         return lambda *args: tuple(runner(*args))
 

@@ -1,0 +1,95 @@
+"""Our own Triton kernels (attention, fused cache writes, ...) compiled at export and shipped.
+
+The compiled pieces carry Inductor's kernels inside them; the ops that run between pieces
+call atom's Triton kernels, which Triton compiles on first use. At export we run the split
+graph over steps shaped like the runtime's (decode batches, prefill chunks, mixed) with
+`TRITON_CACHE_DIR` pointing into the artifact, so every kernel variant serving will launch
+is compiled there; loading copies them into the process's Triton cache. Kernels mark their
+step-dependent integer arguments `do_not_specialize`, so these few shapes cover all steps.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from atom_compile.trace import TracedModel, graph_arguments, model_weights
+from atom_models.layers import AttentionMetadata
+from atom_models.llama import head_dim_of
+
+TRITON_CACHE = "triton_cache"
+BLOCK_SIZE = 16  # the runtime's default block size
+
+
+def triton_cache_dir() -> Path:
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    import triton
+
+    return Path(triton.knobs.cache.dir)
+
+
+def warm_steps(max_model_len: int) -> list[list[tuple[int, int]]]:
+    """Steps as lists of (context already cached, new tokens) per sequence."""
+    decode = [[(40, 1)] * n for n in (1, 3, 16, 17)]
+    prefill = [[(0, n)] for n in (1, 7, 16, 33)]
+    mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)]]
+    return [[(c, n) for c, n in step if c + n <= max_model_len] for step in decode + prefill + mixed]
+
+
+def step_inputs(step: list[tuple[int, int]], max_blocks: int, device: torch.device) -> tuple:
+    """(input_ids, positions, metadata, logits_indices) laid out like the runtime's persistent buffers."""
+    positions, slots, tables = [], [], []
+    next_block = 0
+    for context, new in step:
+        blocks = list(range(next_block, next_block + -(-(context + new) // BLOCK_SIZE)))
+        next_block += len(blocks)
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        for p in range(context, context + new):
+            positions.append(p)
+            slots.append(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+    lens = [c + n for c, n in step]
+    starts = [0]
+    for _, new in step:
+        starts.append(starts[-1] + new)
+    i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, **i64),
+        block_tables=torch.tensor(tables, **i32),
+        seq_lens=torch.tensor(lens, **i32),
+        query_start_loc=torch.tensor(starts, **i32),
+    )
+    return torch.zeros(len(positions), **i64), torch.tensor(positions, **i64), meta, torch.tensor(starts[1:], **i64) - 1
+
+
+@torch.inference_mode()
+def warm_kernels(cache: Path, top: GraphModule, traced: TracedModel, model: nn.Module, max_model_len: int) -> None:
+    config = model.config
+    device = next(model.parameters()).device
+    dtype = model.lm_head.weight.dtype
+    max_blocks = -(-max_model_len // BLOCK_SIZE)
+    kv_shape = (2, 64, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
+    kv_caches = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    weights = model_weights(model)
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    try:
+        for step in warm_steps(max_model_len):
+            input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
+            top(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
+        torch.cuda.synchronize()
+    finally:
+        if previous is None:
+            del os.environ["TRITON_CACHE_DIR"]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = previous
+
+
+def install_kernels(cache: Path) -> None:
+    """Copy an artifact's compiled Triton kernels into this process's Triton cache."""
+    shutil.copytree(cache, triton_cache_dir(), dirs_exist_ok=True)

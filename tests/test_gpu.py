@@ -1,0 +1,59 @@
+"""On a CUDA device: artifacts export with Triton kernels inside, serve compiling nothing, and match eager."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import atom_compile as ac
+from atom_runtime import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPTS = ["Hello there", "The quick brown fox", "x"]
+
+CHILD = """
+import json, sys
+import triton.compiler.compiler as compiler
+
+compiles = []
+make_ir = compiler.ASTSource.make_ir
+def counting_make_ir(self, *args, **kwargs):
+    compiles.append(getattr(self.fn, "__name__", str(self.fn)))
+    return make_ir(self, *args, **kwargs)
+compiler.ASTSource.make_ir = counting_make_ir
+
+from atom_runtime import LLM, SamplingParams
+llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8])
+outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled": compiles}}))
+"""
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_cuda_artifact_serves_without_compiling(which, request, tmp_path):
+    checkpoint = request.getfixturevalue(f"tiny_{which}")
+    artifact = tmp_path / "artifact"
+    ac.export(checkpoint, artifact, device="cuda", level=3)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["ops_backend"] == "triton" and manifest["device_capability"].startswith("sm_")
+    assert (artifact / "triton_cache").is_dir()
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD.format(prompts=PROMPTS)))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ic"), TRITON_CACHE_DIR=str(tmp_path / "tc"))
+    run = subprocess.run([sys.executable, str(script), str(artifact)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["compiled"] == [], f"Triton compiled kernels while serving: {result['compiled']}"
+    eager = LLM(checkpoint, device="cuda", enforce_eager=True)
+    try:
+        expected = eager.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    finally:
+        eager.shutdown()
+    assert result["tokens"] == [o.outputs[0].token_ids for o in expected]
