@@ -32,6 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="weight and activation dtype (auto: the checkpoint's)")
     group.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")
+    group.add_argument("--quantization", choices=["fp8"], default=None, help="quantize an HF model's weights online")
+    group.add_argument(
+        "--rebuild", action="store_true", help="re-export an artifact that does not fit this machine instead of failing"
+    )
     group.add_argument(
         "--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="context length (default: the model's)"
     )
@@ -96,4 +100,11 @@ def create_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     Raises ValueError for settings `EngineConfig` refuses.
     """
     config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
-    return dict(dtype=args.dtype, device=args.device, load_dummy=args.load_dummy, config=config)
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        load_dummy=args.load_dummy,
+        quantization=args.quantization,
+        rebuild=args.rebuild,
+        config=config,
+    )

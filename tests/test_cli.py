@@ -100,7 +100,8 @@ def test_engine_flags_cover_engine_config(tiny_llama):
         + ["--block-size", "8", "--gpu-memory-utilization", "0.5", "--num-kvcache-blocks", "7"]
         + ["--cpu-kvcache-space-gib", "0.25", "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8"]
         + ["--max-logprobs", "5", "--enforce-eager", "--seed", "9", "--dtype", "float32", "--device", "cpu"]
-        + ["--load-dummy"]
+        + ["--load-dummy", "--quantization", "fp8", "--rebuild", "--cudagraph-mode", "none"]
+        + ["--cudagraph-capture-sizes", "[1,2,4]"]
     )
     kwargs = create_engine_kwargs(args)
     assert kwargs["config"] == EngineConfig(
@@ -115,9 +116,13 @@ def test_engine_flags_cover_engine_config(tiny_llama):
         kv_cache_dtype="fp8",
         max_logprobs=5,
         enforce_eager=True,
+        cudagraph_mode="NONE",
+        cudagraph_capture_sizes=[1, 2, 4],
         seed=9,
     )
-    assert {k: v for k, v in kwargs.items() if k != "config"} == dict(dtype="float32", device="cpu", load_dummy=True)
+    assert {k: v for k, v in kwargs.items() if k != "config"} == dict(
+        dtype="float32", device="cpu", load_dummy=True, quantization="fp8", rebuild=True
+    )
     defaults = create_engine_kwargs(build_parser().parse_args(["serve", str(tiny_llama)]))["config"]
     assert defaults == EngineConfig()
     assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(args))
