@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
+#   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
+# Stages: tests (GPU tests), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
+#         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, export (export time 2 vs 28 layers).
+set -o pipefail
+OUT=${OUT:-/tmp/atom-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    tests) python3 -m pytest -q -x tests/test_gpu.py tests/test_runner.py tests/test_triton_kernels.py 2>&1 \
+             | grep -v Warning | tee "$OUT/tests.log" | tail -25 ;;
+    kernels) python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400 \
+             --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
+    decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256 --context 400 \
+             --out "$OUT/decode-llama-3-8b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
+    offline-8b) python3 benchmarks/bench_offline.py --preset llama-3-8b --num-prompts 1000 --input-len 1024 \
+             --output-len 1024 --out "$OUT/offline-llama-3-8b.json" 2>&1 | grep -v Warning | tail -8 ;;
+    offline-small) python3 benchmarks/bench_offline.py --preset qwen3-0.6b --num-prompts 1000 --input-len 1024 \
+             --output-len 1024 --out "$OUT/offline-qwen3-0.6b.json" 2>&1 | grep -v Warning | tail -8 ;;
+    export) python3 benchmarks/bench_export.py --preset qwen3-0.6b --layers 2 28 --device cuda \
+             --out "$OUT/export.json" 2>&1 | tail -6 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
