@@ -220,7 +220,7 @@ def sweep_configs(base: attention.AttentionConfig) -> list[attention.AttentionCo
             replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
             for m, n, w, s in [(128, 32, 4, 4), (128, 64, 8, 2), (64, 32, 4, 4)]
         ]
-        + [replace(base, decode_block_n=n, decode_waves=waves) for n, waves in [(32, 8), (128, 8), (64, 4)]]
+        + [replace(base, decode_block_n=n, decode_waves=waves) for n, waves in [(32, 8), (64, 8), (128, 4)]]
     )
 
 
@@ -272,7 +272,8 @@ def main() -> None:
 
     props = torch.cuda.get_device_properties(0)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
+        commit = git.stdout.strip() if git.returncode == 0 else ""
     except OSError:
         commit = ""
     meta = dict(

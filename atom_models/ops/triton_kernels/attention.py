@@ -16,8 +16,9 @@ axis 0 holds two kinds of program:
   masks, the diagonal with them. Tiles past the last sequence zero the padding tokens; tiles of
   decode sequences do nothing.
 
-One launch matters for decode: at batch 1 the whole step takes a few microseconds, about the
-cost of a second launch.
+One launch, because at batch 1 a decode step's KV read takes only a few microseconds, about what
+a second launch and its dependency cost. The price: both paths share one register budget, and
+the split counters persist between launches (see `_ticket_counters`).
 
 GQA: a program's rows are (token, head) pairs of all query heads that share one KV head, so
 each key/value tile is loaded once per group. Scores and softmax are fp32; probabilities are
@@ -59,11 +60,12 @@ class AttentionConfig:
 
 
 def default_config(head_dim: int) -> AttentionConfig:
-    # Measured on H100 (benchmarks/bench_kernels.py --sweep): 4 warps with 128x32 tiles led the
-    # prefill sweep; two such programs fit a multiprocessor and hide each other's softmax.
+    # From `benchmarks/bench_kernels.py --sweep` on H100 (head_dim 128, GQA 32/8): 4 warps with
+    # 128x32 prefill tiles led every prefill sweep (8 warps or 64-row tiles: 10-20% slower), and
+    # 128-key decode tiles led decode at batch 64-256. Larger head dims halve the tiles (unmeasured).
     if head_dim > 128:
-        return AttentionConfig(64, 32, 4, 2, 32, 8)
-    return AttentionConfig(128, 32, 4, 3, 64, 8)
+        return AttentionConfig(64, 32, 4, 2, 64, 8)
+    return AttentionConfig(128, 32, 4, 3, 128, 8)
 
 
 @triton.jit
