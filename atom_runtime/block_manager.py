@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 
 import xxhash
 
-from atom_runtime.sequence import Sequence
+from atom_runtime.sequence import PLACEHOLDER, Sequence
 
 
 def block_hash(parent: int | None, token_ids: list[int]) -> int:
@@ -103,8 +103,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for i in range(len(seq.block_hashes), num_tokens // self.block_size):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            if PLACEHOLDER in tokens:  # not sampled yet: hashed in a later step
+                return
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.block_of_hash and self.hash_of[block] is None:

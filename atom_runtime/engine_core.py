@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.config import EngineConfig
 from atom_runtime.model_runner import ModelRunner
+from atom_runtime.sampler import DeviceSample, SampledTokens
 from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
 from atom_runtime.scheduler import Scheduler
-from atom_runtime.sequence import Sequence
+from atom_runtime.sequence import PLACEHOLDER, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,15 @@ class TokenUpdate:
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class InFlight:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    sample: DeviceSample
+    seqs: list[Sequence]  # the sequences it samples for, one per row
+    positions: list[int]  # where each one's placeholder token sits
 
 
 @dataclass
@@ -56,6 +66,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sequences: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
+        self.in_flight: InFlight | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -114,50 +125,85 @@ class EngineCore:
             del self.sequences[request_id]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def step(self) -> list[TokenUpdate]:
+        """Queue the next step on the device, then finish the previous one while it runs.
+
+        The previous step's tokens are still on the device when the next is scheduled and its
+        inputs prepared: its sequences carry a PLACEHOLDER token, filled on the device. Its
+        results are read back only after the next step is queued, so scheduling, input
+        preparation and the host side of outputs overlap with the GPU. A sequence that
+        turns out to have stopped (EOS, stop token) computed one token too many, which is
+        dropped. Penalties need the real tokens on the host, so they wait for them first.
+        """
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
         updates: list[TokenUpdate] = []
+        if self.in_flight is not None and any(s.params.needs_penalties for s in self.in_flight.seqs):
+            updates += self._finish_in_flight()
+        plan = self.scheduler.schedule()
+        launched = None
         if plan.chunks:
-            sampled = self.runner.execute(plan.chunks)
-            sampling = [c for c in plan.chunks if c.samples]
             for chunk in plan.chunks:
                 chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            for row, chunk in enumerate(sampling):
-                updates.append(self._append_token(chunk.seq, sampled, row))
+            sample = self.runner.launch(plan.chunks, self.in_flight.sample if self.in_flight else None)
+            if sample is not None:
+                launched = InFlight(sample, [c.seq for c in plan.chunks if c.samples], [])
+                for row, seq in enumerate(launched.seqs):
+                    launched.positions.append(seq.num_tokens)
+                    seq.token_ids.append(PLACEHOLDER)
+                    seq.sample_row = row
+                    seq.last_token_pending = self._length_reached(seq, seq.num_tokens)
+        if self.in_flight is not None:
+            updates += self._finish_in_flight()
+        self.in_flight = launched
         self._refresh_stats()
         self.stats.num_steps += 1
         self.stats.step_time_s += time.perf_counter() - started
         return updates
 
-    def _append_token(self, seq: Sequence, sampled, row: int) -> TokenUpdate:
+    def _finish_in_flight(self) -> list[TokenUpdate]:
+        flight, self.in_flight = self.in_flight, None
+        sampled = flight.sample.to_host()
+        updates = []
+        for row, (seq, position) in enumerate(zip(flight.seqs, flight.positions, strict=True)):
+            if seq.finished:  # aborted, or stopped by an earlier token: this one is dropped
+                continue
+            updates.append(self._set_token(seq, position, sampled, row))
+        return updates
+
+    def _set_token(self, seq: Sequence, position: int, sampled: SampledTokens, row: int) -> TokenUpdate:
         token = sampled.token_ids[row]
-        seq.token_ids.append(token)
+        seq.token_ids[position] = token
         update = TokenUpdate(seq.request_id, seq.index, token, num_cached_tokens=seq.num_cached_tokens)
         if sampled.logprobs is not None and seq.params.logprobs is not None:
             keep = 1 + seq.params.logprobs
             update.logprob_token_ids = sampled.logprob_token_ids[row][:keep]
             update.logprobs = sampled.logprobs[row][:keep]
             update.rank = sampled.ranks[row]
-        reason, stop_reason = self._stop_reason(seq, token)
+        reason, stop_reason = self._stop_reason(seq, token, position + 1)
         if reason is not None:
+            del seq.token_ids[position + 1 :]  # a placeholder queued after a stop
             self.scheduler.finish(seq, reason, stop_reason)
             update.finish_reason, update.stop_reason = reason, stop_reason
             self._forget_if_done(seq.request_id)
         return update
 
-    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+    def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
+        max_tokens = seq.params.max_tokens
+        return num_tokens >= self.max_model_len or (
+            max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens
+        )
+
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> tuple[str | None, int | None]:
+        """Why `seq` stops at `token`, its `num_tokens`-th token, if it does."""
         params = seq.params
-        if seq.num_output_tokens > params.min_tokens:
+        if num_tokens - seq.num_prompt_tokens > params.min_tokens:
             if token in params.stop_token_ids:
                 return "stop", token
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop", None
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if self._length_reached(seq, num_tokens):
             return "length", None
         return None, None
 

@@ -21,7 +21,7 @@ from atom_models.llama import head_dim_of
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs
-from atom_runtime.sampler import SampledTokens, Sampler
+from atom_runtime.sampler import DeviceSample, SampledTokens, Sampler
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.step_inputs import StepInputs
 
@@ -164,21 +164,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> SampledTokens | None:
-        """Run one step; returns sampled tokens for the chunks that sample, in order."""
-        logits = self.forward(chunks)
+        """Run one step and wait for its samples (for the chunks that sample, in order)."""
+        sample = self.launch(chunks)
+        return sample.to_host() if sample is not None else None
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk], in_flight: DeviceSample | None = None) -> DeviceSample | None:
+        """Queue one step on the device and return its samples without waiting for them.
+
+        `in_flight` is the previous step's samples, still on the device: sequences whose last
+        token is a placeholder take it from there.
+        """
+        previous = in_flight.token_ids if in_flight is not None else None
+        graph_size = self.graphs.size_for(chunks) if self.graphs is not None else None
+        if graph_size is not None:
+            self.inputs.load(chunks, pad_seqs_to=graph_size, in_flight=previous)
+            logits = self.graphs.replay(graph_size)
+        else:
+            sizes = self.inputs.load(chunks, in_flight=previous)
+            logits = self.model.forward(*self._step_args(*sizes))
         sampling = [c.seq for c in chunks if c.samples]
         if not sampling:
             return None
-        return self.sampler(logits[: len(sampling)], sampling)
-
-    def forward(self, chunks: list[ScheduledChunk]) -> Tensor:
-        """Logits for the chunks that sample: a captured graph for decode batches, else the model as is."""
-        graph_size = self.graphs.size_for(chunks) if self.graphs is not None else None
-        if graph_size is not None:
-            self.inputs.load(chunks, pad_seqs_to=graph_size)
-            return self.graphs.replay(graph_size)
-        sizes = self.inputs.load(chunks)
-        return self.model.forward(*self._step_args(*sizes))
+        sample = self.sampler(logits[: len(sampling)], sampling)
+        sample.start_copy()
+        return sample
 
     def _step_args(self, tokens: int, seqs: int, logits: int) -> tuple:
         input_ids, positions, meta, logits_indices = self.inputs.views(tokens, seqs, logits)

@@ -25,11 +25,48 @@ class SampledTokens:
     ranks: list[int] | None = None
 
 
+@dataclass
+class DeviceSample:
+    """A step's samples still on the device; `to_host` waits for them."""
+
+    token_ids: Tensor
+    logprob_token_ids: Tensor | None = None
+    logprobs: Tensor | None = None
+    ranks: Tensor | None = None
+    host: dict[str, Tensor] | None = None
+    ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Begin the device-to-host copy now, so the host can wait for it later without a sync point here."""
+        tensors = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
+        if self.token_ids.device.type != "cuda":
+            self.host = tensors
+            return
+        self.host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items()}
+        for k, v in tensors.items():
+            self.host[k].copy_(v, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def to_host(self) -> SampledTokens:
+        if self.host is None:
+            self.start_copy()
+        if self.ready is not None:
+            self.ready.synchronize()
+        h = self.host
+        if "logprobs" not in h:
+            return SampledTokens(h["token_ids"].tolist())
+        return SampledTokens(
+            h["token_ids"].tolist(), h["logprob_token_ids"].tolist(), h["logprobs"].tolist(), h["ranks"].tolist()
+        )
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SampledTokens:
+    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """Sample one token per row; nothing here waits for the device."""
         params = [s.params for s in seqs]
         raw_logits = logits
         if any(p.needs_penalties for p in params):
@@ -42,7 +79,7 @@ class Sampler:
             sampled = self._sample(logits, seqs)
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_logprobs is None:
-            return SampledTokens(sampled.tolist())
+            return DeviceSample(sampled)
         return self._with_logprobs(raw_logits, sampled, num_logprobs)
 
     def _apply_penalties(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -111,11 +148,11 @@ class Sampler:
         return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
 
     @staticmethod
-    def _with_logprobs(logits: Tensor, sampled: Tensor, k: int) -> SampledTokens:
+    def _with_logprobs(logits: Tensor, sampled: Tensor, k: int) -> DeviceSample:
         logprobs = logits.log_softmax(dim=-1)
         chosen = logprobs.gather(1, sampled.unsqueeze(1))
         ranks = (logprobs > chosen).sum(dim=-1) + 1
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], sampled.unsqueeze(1)[:, :0])
         ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
         values = torch.cat([chosen, top_values], dim=1)
-        return SampledTokens(sampled.tolist(), ids.tolist(), values.tolist(), ranks.tolist())
+        return DeviceSample(sampled, ids, values, ranks)

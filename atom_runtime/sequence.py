@@ -9,6 +9,9 @@ import torch
 
 from atom_runtime.sampling_params import SamplingParams
 
+# A sampled token still on the device: the step that samples it is in flight.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -32,6 +35,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block, in order
         self.arrival_time = time.monotonic()
+        self.sample_row = -1  # row of its placeholder token in the in-flight step's samples
+        self.last_token_pending = False  # the in-flight step samples its final token (length limit)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)

@@ -4,6 +4,11 @@ Every step writes its token ids, positions and attention metadata into pinned ho
 buffers through numpy views, then copies them into device buffers that never move.
 Nothing is allocated per step, and a CUDA graph captured over these buffers replays with
 whatever the latest step wrote into them.
+
+Two sets of host buffers take turns: the host fills one for step N+1 while the copies of
+step N may still be queued behind the GPU's work. Tokens sampled by the step still in
+flight are not known on the host yet (they are PLACEHOLDER there); they are copied into
+this step's input ids on the device, from the previous step's sampled tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from torch import Tensor
 
 from atom_models.layers import AttentionMetadata
 from atom_runtime.scheduler import ScheduledChunk
+from atom_runtime.sequence import PLACEHOLDER
 
 
 class StepInputs:
@@ -28,33 +34,49 @@ class StepInputs:
             "seq_lens": ((max_seqs,), torch.int32),
             "query_start_loc": ((max_seqs + 1,), torch.int32),
             "logits_indices": ((max_seqs,), torch.int64),
+            "carry_to": ((max_seqs,), torch.int64),  # input positions whose token is still on the device...
+            "carry_from": ((max_seqs,), torch.int64),  # ...and their rows in the previous step's samples
         }
         pin = device.type == "cuda"
-        self.host = {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
-        self.np = {name: t.numpy() for name, t in self.host.items()}
+
+        def host_set() -> dict[str, Tensor]:
+            return {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
+
+        self.hosts = [host_set(), host_set()] if pin else [host_set()]
+        self.turn = 0
         if device.type == "cpu":
-            self.gpu = self.host
+            self.gpu = self.hosts[0]
         else:
             self.gpu = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
 
-    def load(self, chunks: list[ScheduledChunk], pad_seqs_to: int | None = None) -> tuple[int, int, int]:
+    def load(
+        self, chunks: list[ScheduledChunk], pad_seqs_to: int | None = None, in_flight: Tensor | None = None
+    ) -> tuple[int, int, int]:
         """Write one step; returns (tokens, seqs, logits) counts, padding included.
 
         Padding (for CUDA graphs of decode batches) adds one-token sequences that write nowhere
-        (slot -1), read one cached position, and whose logits are discarded.
+        (slot -1), read one cached position, and whose logits are discarded. `in_flight` holds
+        the token ids sampled by the previous step, for sequences whose last token is a placeholder.
         """
-        bs, np_ = self.block_size, self.np
+        host = self.hosts[self.turn]
+        self.turn = (self.turn + 1) % len(self.hosts)
+        bs = self.block_size
+        np_ = {name: t.numpy() for name, t in host.items()}
         num_seqs = len(chunks)
         t = 0
         np_["query_start_loc"][0] = 0
-        logits = 0
+        logits = carried = 0
         for i, chunk in enumerate(chunks):
             seq, n = chunk.seq, chunk.num_tokens
             table = seq.block_table
             np_["block_tables"][i, : len(table)] = table
             positions = np.arange(chunk.start, chunk.start + n)
             np_["input_ids"][t : t + n] = seq.token_ids[chunk.start : chunk.start + n]
+            if seq.token_ids[chunk.start + n - 1] == PLACEHOLDER:
+                np_["carry_to"][carried] = t + n - 1
+                np_["carry_from"][carried] = seq.sample_row
+                carried += 1
             np_["positions"][t : t + n] = positions
             blocks = np_["block_tables"][i, positions // bs].astype(np.int64)
             np_["slot_mapping"][t : t + n] = blocks * bs + positions % bs
@@ -74,11 +96,16 @@ class StepInputs:
             np_["query_start_loc"][num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
             np_["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
             t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
-        self._upload(t, num_seqs, logits)
+        self._upload(host, t, num_seqs, logits, carried)
+        if carried:
+            if in_flight is None:
+                raise RuntimeError("a sequence waits for a token that no step in flight is sampling")
+            rows = in_flight.index_select(0, self.gpu["carry_from"][:carried])
+            self.gpu["input_ids"].index_copy_(0, self.gpu["carry_to"][:carried], rows)
         return t, num_seqs, logits
 
-    def _upload(self, tokens: int, seqs: int, logits: int) -> None:
-        if self.gpu is self.host:
+    def _upload(self, host: dict[str, Tensor], tokens: int, seqs: int, logits: int, carried: int) -> None:
+        if self.gpu is host:
             return
         sizes = {
             "input_ids": tokens,
@@ -88,9 +115,12 @@ class StepInputs:
             "seq_lens": seqs,
             "query_start_loc": seqs + 1,
             "logits_indices": logits,
+            "carry_to": carried,
+            "carry_from": carried,
         }
         for name, n in sizes.items():
-            self.gpu[name][:n].copy_(self.host[name][:n], non_blocking=True)
+            if n:
+                self.gpu[name][:n].copy_(host[name][:n], non_blocking=True)
 
     def views(self, tokens: int, seqs: int, logits: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """(input_ids, positions, metadata, logits_indices) over the first rows of the device buffers."""

@@ -25,7 +25,7 @@ def prefilled(runner, block_manager, prompts: list[list[int]]) -> list[Sequence]
         assert block_manager.allocate(seq, seq.num_tokens)
         chunks.append(ScheduledChunk(seq, 0, seq.num_tokens))
     with torch.inference_mode():
-        logits = runner.forward(chunks)
+        logits = runner.model.forward(*runner._step_args(*runner.inputs.load(chunks)))
     for seq, token in zip(seqs, logits.argmax(-1).tolist(), strict=True):
         seq.num_computed_tokens = seq.num_tokens
         seq.token_ids.append(token)
