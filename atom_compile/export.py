@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from atom_compile.graphs.codegen import graph_source
 from atom_compile.graphs.compile import FORMATS, SUFFIXES, compile_piece
 from atom_compile.graphs.split import Piece, propagate_fake_values, split_at_attention
 from atom_compile.graphs.warmup import TRITON_CACHE, warm_kernels
+from atom_compile.load import load_pieces, load_top_graph
 from atom_compile.passes import resolve_pipeline, run_passes
 from atom_compile.trace import TracedModel, trace_model
 from atom_models import load_config, resolve_dtype
@@ -106,7 +108,8 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         try:
             piece_entries = _write_pieces(staging, top, pieces, options.level, device)
             if device.type == "cuda":
-                warm_kernels(staging / TRITON_CACHE, top, traced, model, max_model_len)
+                forward, pieces_by_name = load_top_graph(staging), load_pieces(staging, piece_entries)
+                warm_kernels(staging / TRITON_CACHE, partial(forward, pieces_by_name), traced, model, max_model_len)
             weights = _write_weights(staging, model, model_dir, options)
             _copy_tokenizer(model_dir, staging)
             files = [str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()]

@@ -34,6 +34,29 @@ class _Pieces:
         self.__dict__.update(pieces)
 
 
+def load_pieces(path: Path, entries: dict[str, dict]) -> _Pieces:
+    """Every piece of an artifact, bound by name: compiled ones from their files, eager ones from their code."""
+    loaded: dict[str, object] = {}
+    by_key: dict[str, object] = {}
+    for name, entry in entries.items():
+        if entry["key"] not in by_key:
+            if entry["compiled"]:
+                by_key[entry["key"]] = load_compiled_piece(
+                    path / entry["compiled"], entry["format"], entry["returns_tuple"]
+                )
+            else:
+                code = path / entry["code"]
+                forward = load_graph_source(code.read_text(), str(code))
+                by_key[entry["key"]] = lambda *args, _forward=forward: _forward(None, *args)
+        loaded[name] = by_key[entry["key"]]
+    return _Pieces(loaded)
+
+
+def load_top_graph(path: Path):
+    """The top-level graph's forward(pieces, *inputs)."""
+    return load_graph_source((path / "graphs/model.py").read_text(), str(path / "graphs/model.py"))
+
+
 class CompiledModel:
     """An artifact bound to its weights, callable like the eager model's forward."""
 
@@ -47,8 +70,8 @@ class CompiledModel:
         if (path / TRITON_CACHE).is_dir():
             install_kernels(path / TRITON_CACHE)
         self.weights = self._load_weights()
-        self.forward_graph = load_graph_source((path / "graphs/model.py").read_text(), str(path / "graphs/model.py"))
-        self.pieces = _Pieces(self._load_pieces())
+        self.forward_graph = load_top_graph(path)
+        self.pieces = load_pieces(path, manifest["pieces"])
         self.inputs = [GraphInput(**i) for i in manifest["inputs"]]
 
     def _load_weights(self) -> dict[str, Tensor]:
@@ -65,22 +88,6 @@ class CompiledModel:
         else:
             load_weights(model, artifact.check_source_weights(self.manifest))
         return model_weights(model)
-
-    def _load_pieces(self) -> dict:
-        loaded: dict[str, object] = {}
-        by_key: dict[str, object] = {}
-        for name, entry in self.manifest["pieces"].items():
-            if entry["key"] not in by_key:
-                if entry["compiled"]:
-                    by_key[entry["key"]] = load_compiled_piece(
-                        self.path / entry["compiled"], entry["format"], entry["returns_tuple"]
-                    )
-                else:
-                    code = self.path / entry["code"]
-                    forward = load_graph_source(code.read_text(), str(code))
-                    by_key[entry["key"]] = lambda *args, _forward=forward: _forward(None, *args)
-            loaded[name] = by_key[entry["key"]]
-        return loaded
 
     def __call__(
         self,

@@ -32,9 +32,11 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float
 
 
 def graph_step_ms(llm: LLM, batch: int, reps: int = 50) -> float | None:
-    graphs = llm.engine.core.runner.graphs
+    runner = llm.engine.core.runner
+    graphs = runner.graphs
     if graphs is None or batch not in graphs.graphs:
         return None
+    runner.inputs.load([], pad_seqs_to=batch)  # a valid decode step in the buffers the graph reads
     for _ in range(5):
         graphs.replay(batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

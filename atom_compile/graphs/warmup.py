@@ -1,22 +1,24 @@
 """Our own Triton kernels (attention, fused cache writes, ...) compiled at export and shipped.
 
 The compiled pieces carry Inductor's kernels inside them; the ops that run between pieces
-call atom's Triton kernels, which Triton compiles on first use. At export we run the split
-graph over steps shaped like the runtime's (decode batches, prefill chunks, mixed) with
-`TRITON_CACHE_DIR` pointing into the artifact, so every kernel variant serving will launch
-is compiled there; loading copies them into the process's Triton cache. Kernels mark their
-step-dependent integer arguments `do_not_specialize`, so these few shapes cover all steps.
+call atom's Triton kernels, which Triton compiles on first use. At export we run the
+artifact as serving will (its top graph over the compiled pieces, whose output strides
+the kernels specialise on) over steps shaped like the runtime's (decode batches, prefill
+chunks, mixed), with `TRITON_CACHE_DIR` pointing into the artifact, so every kernel
+variant serving launches is compiled there; loading copies them into the process's Triton
+cache. Kernels mark their step-dependent integer arguments `do_not_specialize`, so these
+few shapes cover all steps.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.fx import GraphModule
 
 from atom_compile.trace import TracedModel, graph_arguments, model_weights
 from atom_models.layers import AttentionMetadata
@@ -68,7 +70,8 @@ def step_inputs(step: list[tuple[int, int]], max_blocks: int, device: torch.devi
 
 
 @torch.inference_mode()
-def warm_kernels(cache: Path, top: GraphModule, traced: TracedModel, model: nn.Module, max_model_len: int) -> None:
+def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.Module, max_model_len: int) -> None:
+    """Run `forward(*graph inputs)` (the artifact as served) over `warm_steps` into the Triton cache `cache`."""
     config = model.config
     device = next(model.parameters()).device
     dtype = model.lm_head.weight.dtype
@@ -81,7 +84,7 @@ def warm_kernels(cache: Path, top: GraphModule, traced: TracedModel, model: nn.M
     try:
         for step in warm_steps(max_model_len):
             input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
-            top(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
+            forward(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
         torch.cuda.synchronize()
     finally:
         if previous is None:

@@ -409,7 +409,7 @@ def _tile_program(
             tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt"])
 def _attention_kernel(
     q_ptr,
     k_cache_ptr,
