@@ -65,6 +65,7 @@ class _RequestState:
     completions: list[_Completion]
     queue: asyncio.Queue
     metrics: RequestMetrics
+    stream: bool = True
 
     @property
     def finished(self) -> bool:
@@ -172,8 +173,11 @@ class AsyncEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output after every step that changes it; the last is finished.
+
+        With `stream=False` only the finished output is yielded (no per-step copies of the output).
 
         Closing the iterator early (a client that went away) aborts the request and frees its blocks.
         """
@@ -204,6 +208,7 @@ class AsyncEngine:
             ],
             asyncio.Queue(),
             RequestMetrics(arrival_time=time.monotonic()),
+            stream,
         )
         self._states[request_id] = state
         self._commands.put(("add", (request_id, state.prompt_token_ids, params)))
@@ -247,10 +252,12 @@ class AsyncEngine:
             state.metrics.num_cached_tokens = update.num_cached_tokens
             changed[update.request_id] = state
         for state in changed.values():
-            if state.finished:
+            finished = state.finished
+            if finished:
                 state.metrics.finished_time = now
                 self._record_finished(state)
-            state.queue.put_nowait(state.output())
+            if finished or state.stream:
+                state.queue.put_nowait(state.output())
 
     def _add_token(self, state: _RequestState, completion: _Completion, update: TokenUpdate) -> None:
         completion.token_ids.append(update.token_id)

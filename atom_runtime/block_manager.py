@@ -81,6 +81,11 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens of `seq` (after taking `prefix` from the cache)."""
+        total = seq.num_computed_tokens + num_new_tokens
+        if total <= len(seq.block_table) * self.block_size and (
+            not self.enable_prefix_caching or total // self.block_size <= len(seq.block_hashes)
+        ):
+            return True  # the common decode step: room in the last block, no block filled
         if not seq.block_table and prefix:
             needed = self.blocks_needed(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
             revived = sum(1 for b in prefix if self.ref_counts[b] == 0)
@@ -126,6 +131,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.table_version += 1
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.evictable):

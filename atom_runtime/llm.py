@@ -74,7 +74,7 @@ class LLM:
         async def one(request, p: SamplingParams) -> RequestOutput:
             prompt, ids = request
             final = None
-            async for output in self.engine.generate(prompt, p, prompt_token_ids=ids):
+            async for output in self.engine.generate(prompt, p, prompt_token_ids=ids, stream=False):
                 final = output
             bar.update(1)
             return final

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 import torch
 
 from atom_runtime.sampling_params import SamplingParams
+
+_ids = itertools.count()
 
 # A sampled token still on the device: the step that samples it is in flight.
 PLACEHOLDER = -1
@@ -33,6 +36,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at first schedule
         self.block_table: list[int] = []
+        self.seq_id = next(_ids)
+        self.table_version = 0  # bumped when the block table is replaced rather than extended
         self.block_hashes: list[int] = []  # chained hash of each full block, in order
         self.arrival_time = time.monotonic()
         self.sample_row = -1  # row of its placeholder token in the in-flight step's samples

@@ -44,6 +44,8 @@ class StepInputs:
 
         self.hosts = [host_set(), host_set()] if pin else [host_set()]
         self.turn = 0
+        # per host set and row: which (sequence, table version, length) its block-table row holds
+        self.rows_written: list[list[tuple | None]] = [[None] * max_seqs for _ in self.hosts]
         if device.type == "cpu":
             self.gpu = self.hosts[0]
         else:
@@ -60,28 +62,36 @@ class StepInputs:
         the token ids sampled by the previous step, for sequences whose last token is a placeholder.
         """
         host = self.hosts[self.turn]
-        self.turn = (self.turn + 1) % len(self.hosts)
         bs = self.block_size
         np_ = {name: t.numpy() for name, t in host.items()}
         num_seqs = len(chunks)
         t = 0
         np_["query_start_loc"][0] = 0
         logits = carried = 0
+        ids, pos, slots, tables = np_["input_ids"], np_["positions"], np_["slot_mapping"], np_["block_tables"]
+        written = self.rows_written[self.turn]
         for i, chunk in enumerate(chunks):
-            seq, n = chunk.seq, chunk.num_tokens
+            seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
             table = seq.block_table
-            np_["block_tables"][i, : len(table)] = table
-            positions = np.arange(chunk.start, chunk.start + n)
-            np_["input_ids"][t : t + n] = seq.token_ids[chunk.start : chunk.start + n]
-            if seq.token_ids[chunk.start + n - 1] == PLACEHOLDER:
+            row_key = (seq.seq_id, seq.table_version, len(table))
+            if written[i] != row_key:  # tables only grow, so an unchanged key means an unchanged row
+                tables[i, : len(table)] = table
+                written[i] = row_key
+            if n == 1:  # decode: scalar writes beat numpy calls
+                ids[t] = seq.token_ids[start]
+                pos[t] = start
+                slots[t] = table[start // bs] * bs + start % bs
+            else:
+                positions = np.arange(start, start + n)
+                ids[t : t + n] = seq.token_ids[start : start + n]
+                pos[t : t + n] = positions
+                slots[t : t + n] = tables[i, positions // bs].astype(np.int64) * bs + positions % bs
+            if seq.token_ids[start + n - 1] == PLACEHOLDER:
                 np_["carry_to"][carried] = t + n - 1
                 np_["carry_from"][carried] = seq.sample_row
                 carried += 1
-            np_["positions"][t : t + n] = positions
-            blocks = np_["block_tables"][i, positions // bs].astype(np.int64)
-            np_["slot_mapping"][t : t + n] = blocks * bs + positions % bs
             t += n
-            np_["seq_lens"][i] = chunk.start + n
+            np_["seq_lens"][i] = start + n
             np_["query_start_loc"][i + 1] = t
             if chunk.samples:
                 np_["logits_indices"][logits] = t - 1
@@ -92,10 +102,12 @@ class StepInputs:
             np_["positions"][t : t + pad] = 0
             np_["slot_mapping"][t : t + pad] = -1
             np_["block_tables"][num_seqs:pad_seqs_to] = 0
+            written[num_seqs:pad_seqs_to] = [None] * pad
             np_["seq_lens"][num_seqs:pad_seqs_to] = 1
             np_["query_start_loc"][num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
             np_["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
             t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
+        self.turn = (self.turn + 1) % len(self.hosts)
         self._upload(host, t, num_seqs, logits, carried)
         if carried:
             if in_flight is None:

@@ -25,7 +25,7 @@ import triton.compiler.compiler as compiler
 compiles = []
 make_ir = compiler.ASTSource.make_ir
 def counting_make_ir(self, *args, **kwargs):
-    compiles.append(getattr(self.fn, "__name__", str(self.fn)))
+    compiles.append(f"{self.fn.__name__} {self.signature} {self.constants} {self.attrs}")
     return make_ir(self, *args, **kwargs)
 compiler.ASTSource.make_ir = counting_make_ir
 
@@ -37,7 +37,17 @@ print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled":
 
 
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
-def test_cuda_artifact_serves_without_compiling(which, request, tmp_path):
+def test_cuda_artifact_serves_without_compiling(which, request, tmp_path, monkeypatch):
+    import triton.compiler.compiler as compiler
+
+    exported = []  # what the export compiled, to show next to what serving compiled if they differ
+    make_ir = compiler.ASTSource.make_ir
+
+    def recording_make_ir(self, *args, **kwargs):
+        exported.append(f"{self.fn.__name__} {self.signature} {self.constants} {self.attrs}")
+        return make_ir(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiler.ASTSource, "make_ir", recording_make_ir)
     checkpoint = request.getfixturevalue(f"tiny_{which}")
     artifact = tmp_path / "artifact"
     ac.export(checkpoint, artifact, device="cuda", level=3)
@@ -50,7 +60,9 @@ def test_cuda_artifact_serves_without_compiling(which, request, tmp_path):
     run = subprocess.run([sys.executable, str(script), str(artifact)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["compiled"] == [], f"Triton compiled kernels while serving: {result['compiled']}"
+    assert result["compiled"] == [], (
+        f"Triton compiled kernels while serving: {result['compiled']}\nexport compiled: {exported}"
+    )
     eager = LLM(checkpoint, device="cuda", enforce_eager=True)
     try:
         expected = eager.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

@@ -93,7 +93,7 @@ class OpenAIServing:
         params = request.sampling_params()
         prompts = [self._prompt(p) for p in request.prompts()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self._generate(prompts, params, request_id)
+        outputs = self._generate(prompts, params, request_id, request.stream)
         if request.stream:
             return _sse(self._completion_chunks(request, request_id, prompts, params, outputs))
         finals = await _unless_disconnected(raw, _final_outputs(outputs, len(prompts)))
@@ -167,7 +167,7 @@ class OpenAIServing:
         try:
             params = request.sampling_params()
             prompt = self._render_chat(request)
-            outputs = self._generate([prompt], params, request_id)
+            outputs = self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = _CHAT_PARAMS.get(error.param, error.param)
             raise
@@ -274,7 +274,7 @@ class OpenAIServing:
         return prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
 
     def _generate(
-        self, prompts: list[_Prompt], params: SamplingParams, request_id: str
+        self, prompts: list[_Prompt], params: SamplingParams, request_id: str, stream: bool
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Checks every prompt now (so errors come before a response starts), then runs them all."""
         if not self.engine.is_healthy:
@@ -283,7 +283,9 @@ class OpenAIServing:
             self.engine.validate(prompt.token_ids, params)
         return _merge(
             [
-                self.engine.generate(p.text, params, prompt_token_ids=p.token_ids, request_id=f"{request_id}-{i}")
+                self.engine.generate(
+                    p.text, params, prompt_token_ids=p.token_ids, request_id=f"{request_id}-{i}", stream=stream
+                )
                 for i, p in enumerate(prompts)
             ]
         )
