@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -13,6 +14,9 @@ from atom_models.checkpoints import make_config_only
 
 
 def git_commit() -> str:
+    """The commit measured; the GPU host gets a copy of the tree without .git, so it passes ATOM_COMMIT."""
+    if os.environ.get("ATOM_COMMIT"):
+        return os.environ["ATOM_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

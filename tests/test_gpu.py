@@ -25,7 +25,7 @@ import triton.compiler.compiler as compiler
 compiles = []
 make_ir = compiler.ASTSource.make_ir
 def counting_make_ir(self, *args, **kwargs):
-    compiles.append(f"{self.fn.__name__} {self.signature} {self.constants} {self.attrs}")
+    compiles.append(f"{{self.fn.__name__}} {{self.signature}} {{self.constants}} {{self.attrs}}")
     return make_ir(self, *args, **kwargs)
 compiler.ASTSource.make_ir = counting_make_ir
 
