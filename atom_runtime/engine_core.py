@@ -54,7 +54,11 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
-    step_time_s: float = 0.0  # summed wall time of steps
+    step_time_s: float = 0.0  # summed wall time of steps, and of their phases:
+    schedule_time_s: float = 0.0  # choosing the step's tokens
+    launch_time_s: float = 0.0  # preparing inputs and queueing the step on the device
+    wait_time_s: float = 0.0  # waiting for the previous step's sampled tokens
+    finish_time_s: float = 0.0  # appending tokens, stop checks
 
 
 class EngineCore:
@@ -67,6 +71,7 @@ class EngineCore:
         self.sequences: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self.in_flight: InFlight | None = None
+        self._waited = 0.0  # this step's time blocked on the device
 
     @property
     def max_model_len(self) -> int:
@@ -141,7 +146,9 @@ class EngineCore:
         updates: list[TokenUpdate] = []
         if self.in_flight is not None and any(s.params.needs_penalties for s in self.in_flight.seqs):
             updates += self._finish_in_flight()
+        scheduled = time.perf_counter()
         plan = self.scheduler.schedule()
+        launched_at = time.perf_counter()
         launched = None
         if plan.chunks:
             for chunk in plan.chunks:
@@ -154,17 +161,26 @@ class EngineCore:
                     seq.token_ids.append(PLACEHOLDER)
                     seq.sample_row = row
                     seq.last_token_pending = self._length_reached(seq, seq.num_tokens)
+        finishing = time.perf_counter()
         if self.in_flight is not None:
             updates += self._finish_in_flight()
         self.in_flight = launched
         self._refresh_stats()
-        self.stats.num_steps += 1
-        self.stats.step_time_s += time.perf_counter() - started
+        s, now = self.stats, time.perf_counter()
+        s.num_steps += 1
+        s.step_time_s += now - started
+        s.schedule_time_s += launched_at - scheduled
+        s.launch_time_s += finishing - launched_at
+        s.finish_time_s += now - finishing - self._waited
+        s.wait_time_s += self._waited
+        self._waited = 0.0
         return updates
 
     def _finish_in_flight(self) -> list[TokenUpdate]:
         flight, self.in_flight = self.in_flight, None
+        waiting = time.perf_counter()
         sampled = flight.sample.to_host()
+        self._waited += time.perf_counter() - waiting
         updates = []
         for row, (seq, position) in enumerate(zip(flight.seqs, flight.positions, strict=True)):
             if seq.finished:  # aborted, or stopped by an earlier token: this one is dropped

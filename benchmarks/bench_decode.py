@@ -22,13 +22,37 @@ from bench_common import copy_bandwidth, device_name, dummy_artifact, print_tabl
 from atom_models.llama import head_dim_of
 from atom_runtime import LLM, SamplingParams
 
+PHASES = ("schedule", "launch", "wait", "finish")
 
-def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, dict[str, float]]:
+    """Wall seconds, and seconds the engine spent in each phase of its steps."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stats = llm.engine.core.stats
+    before = {p: getattr(stats, f"{p}_time_s") for p in PHASES} | {"steps": stats.num_steps}
     torch.cuda.synchronize()
     started = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    after = {p: getattr(stats, f"{p}_time_s") for p in PHASES} | {"steps": stats.num_steps}
+    return seconds, {k: after[k] - before[k] for k in after}
+
+
+def profile_step(llm: LLM, batch: int, out: Path) -> None:
+    """Kernel time of one eager decode step (outside the graph), top kernels to a text file."""
+    runner = llm.engine.core.runner
+    args = runner._step_args(*runner.inputs.load([], pad_seqs_to=batch))
+    with torch.inference_mode():
+        for _ in range(3):
+            runner.model.forward(*args)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.model.forward(*args)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    out.write_text(table)
+    print(f"\neager decode step, batch {batch}, 5 steps:\n{table}")
 
 
 def graph_step_ms(llm: LLM, batch: int, reps: int = 50) -> float | None:
@@ -56,6 +80,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=400, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     parser.add_argument("--out", type=Path, default=Path("bench_decode.json"))
+    parser.add_argument("--profile", action="store_true", help="also profile one eager step at the smallest batch")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,9 +102,11 @@ def main() -> None:
         for batch in args.batch_sizes:
             prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
             timed_generate(llm, prompts, 4)  # warm-up
-            full = timed_generate(llm, prompts, args.steps + 1)
-            prefill = timed_generate(llm, prompts, 1)
+            full, full_phases = timed_generate(llm, prompts, args.steps + 1)
+            prefill, prefill_phases = timed_generate(llm, prompts, 1)
             engine_ms = (full - prefill) / args.steps * 1e3
+            steps = full_phases["steps"] - prefill_phases["steps"]
+            phases = {f"{p}_ms": (full_phases[p] - prefill_phases[p]) / steps * 1e3 for p in PHASES}
             kv_bytes = batch * (args.context + args.steps // 2) * kv_token_bytes
             roofline_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
             rows.append(
@@ -91,8 +118,11 @@ def main() -> None:
                     "weights_only_roofline_ms": weight_bytes / bandwidth * 1e3,
                     "fraction_of_roofline": roofline_ms / engine_ms,
                     "tokens_per_s": batch / engine_ms * 1e3,
+                    **phases,
                 }
             )
+        if args.profile:
+            profile_step(llm, min(args.batch_sizes), args.out.with_suffix(".profile.txt"))
         llm.shutdown()
     print_table(
         f"decode, {args.preset}, bf16, context {args.context}, {device_name()}, copy {bandwidth / 1e12:.2f} TB/s, "
