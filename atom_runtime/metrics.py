@@ -59,6 +59,8 @@ class _EngineStatsCollector:
         yield self._counter("atom:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield self._counter("atom:num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions)
         yield self._counter("atom:engine_steps", "Engine steps run.", s.num_steps)
+        yield self._counter("atom:engine_step_seconds", "Wall time of engine steps.", s.step_time_s)
+        yield self._counter("atom:engine_step_wait_seconds", "Step time spent waiting for the GPU.", s.wait_time_s)
 
 
 class Metrics:

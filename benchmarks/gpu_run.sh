@@ -24,6 +24,8 @@ for stage in "$@"; do
              --output-len 1024 --out "$OUT/offline-llama-3-8b.json" 2>&1 | grep -v Warning | tail -8 ;;
     offline-small) python3 benchmarks/bench_offline.py --preset qwen3-0.6b --num-prompts 1000 --input-len 1024 \
              --output-len 1024 --out "$OUT/offline-qwen3-0.6b.json" 2>&1 | grep -v Warning | tail -8 ;;
+    passes) python3 benchmarks/bench_passes.py --preset qwen3-0.6b --out "$OUT/passes.json" 2>&1 | grep -v Warning | tail -12 ;;
+    isolation) python3 benchmarks/bench_engine_isolation.py --out "$OUT/isolation.json" 2>&1 | tail -5 ;;
     export) python3 benchmarks/bench_export.py --preset qwen3-0.6b --layers 2 28 --device cuda \
              --out "$OUT/export.json" 2>&1 | tail -6 ;;
     *) echo "unknown stage $stage" ;;
