@@ -1,0 +1,73 @@
+"""Paged blocks with prefix caching: chained hashes, reference counts, LRU eviction."""
+
+from __future__ import annotations
+
+from atom_runtime.block_manager import BlockManager, block_hash
+from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.sequence import PLACEHOLDER, Sequence
+
+
+def seq(tokens: list[int], name: str = "r") -> Sequence:
+    return Sequence(name, 0, tokens, SamplingParams())
+
+
+def run_prompt(bm: BlockManager, s: Sequence) -> None:
+    prefix = bm.cached_prefix(s)
+    assert bm.allocate(s, s.num_tokens - len(prefix) * bm.block_size, prefix)
+    s.num_computed_tokens = s.num_tokens
+
+
+def test_hashes_chain_on_the_prefix():
+    assert block_hash(None, [1, 2]) != block_hash(block_hash(None, [0, 0]), [1, 2])
+    assert block_hash(7, [1, 2, 3]) == block_hash(7, [1, 2, 3])
+
+
+def test_shared_prefix_hits_full_blocks_only_and_leaves_the_last_token():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    first = seq(list(range(10)), "a")
+    run_prompt(bm, first)
+    second = seq(list(range(9)) + [99, 100], "b")  # shares 9 tokens: two full blocks
+    assert bm.cached_prefix(second) == first.block_table[:2]
+    exact = seq(list(range(8)), "c")  # all 8 tokens cached, but the last must be computed
+    assert bm.cached_prefix(exact) == first.block_table[:1]
+    run_prompt(bm, second)
+    assert second.block_table[:2] == first.block_table[:2]
+    assert bm.ref_counts[first.block_table[0]] == 2
+    assert second.num_computed_tokens == second.num_tokens
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = seq([1, 2, 3, 4, 5], "a")
+    run_prompt(bm, a)  # 3 blocks, 2 of them full and hashed
+    a_blocks = list(a.block_table)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    again = seq([1, 2, 3, 4, 9], "again")
+    assert bm.cached_prefix(again) == a_blocks[:2]  # still cached after the free
+    b = seq([7, 8, 9, 10, 11, 12, 13], "b")  # needs all 4 blocks: evicts the cached ones
+    run_prompt(bm, b)
+    assert bm.cached_prefix(again) == []
+    assert bm.num_free_blocks == 0
+
+
+def test_cache_off_and_hit_rate():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    run_prompt(bm, seq([1, 2, 3, 4, 5], "a"))
+    assert bm.cached_prefix(seq([1, 2, 3, 4, 6], "b")) == []
+    assert bm.hit_rate == 0.0
+
+
+def test_blocks_holding_unsampled_tokens_are_not_hashed():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    s = seq([1, 2, 3], "a")
+    run_prompt(bm, s)
+    s.token_ids.append(PLACEHOLDER)  # the second block fills with a token still on the device
+    assert bm.allocate(s, 1)
+    s.num_computed_tokens = 4
+    assert len(s.block_hashes) == 1
+    s.token_ids[-1] = 4
+    s.token_ids.append(PLACEHOLDER)
+    assert bm.allocate(s, 1)  # next step: the filled block is hashed now that its tokens are known
+    assert len(s.block_hashes) == 2
+    assert bm.cached_prefix(seq([1, 2, 3, 4, 5], "b")) == s.block_table[:2]
