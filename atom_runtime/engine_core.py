@@ -157,10 +157,11 @@ class EngineCore:
             if sample is not None:
                 launched = InFlight(sample, [c.seq for c in plan.chunks if c.samples], [])
                 for row, seq in enumerate(launched.seqs):
-                    launched.positions.append(seq.num_tokens)
+                    position = len(seq.token_ids)
+                    launched.positions.append(position)
                     seq.token_ids.append(PLACEHOLDER)
                     seq.sample_row = row
-                    seq.last_token_pending = self._length_reached(seq, seq.num_tokens)
+                    seq.last_token_pending = self._length_reached(seq, position + 1)
         finishing = time.perf_counter()
         if self.in_flight is not None:
             updates += self._finish_in_flight()

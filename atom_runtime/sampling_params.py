@@ -36,6 +36,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Normalise and validate the fields; call again after changing them."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -43,6 +47,9 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
+        # Read once per token by the engine: plain attributes, not properties.
+        self.greedy = self.temperature < _GREEDY_EPS
+        self.needs_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -64,11 +71,3 @@ class SamplingParams:
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
         check(0 < self.repetition_penalty <= 2, "repetition_penalty", "repetition_penalty must be in (0, 2]")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    @property
-    def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -23,11 +23,11 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed in this step
     num_tokens: int
+    # Whether this chunk reaches the end of the sequence, so its last logits give a new token.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so its last logits give a new token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Scheduler:
             if seq.last_token_pending:  # the step in flight samples its last token
                 i += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
