@@ -300,6 +300,13 @@ def test_paged_attention_split_tickets_reset():
     assert not attention._ticket_counters(torch.empty(0, device=DEVICE).device, 1).any()
 
 
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (8, 1, 32, 16), (4, 4, 16, 8)])
+def test_paged_attention_decode_only_batch(q_heads, kv_heads, head_dim, block_size):
+    """One query token a sequence and no padding: the decode-only kernel, with several splits to merge."""
+    check_attention(q_heads, kv_heads, head_dim, block_size, [(1, 23), (1, 5), (1, 40), (1, 1), (1, 16)], padding=0)
+    check_attention(q_heads, kv_heads, head_dim, block_size, [(1, 37)], padding=0)
+
+
 def test_paged_attention_fp8_cache():
     check_attention(4, 2, 32, 16, MIXED, kv_dtype=FP8_DTYPE)
 
@@ -325,6 +332,7 @@ def test_paged_attention_writes_then_reads_cache():
 def test_paged_attention_gpu_shapes(q_heads, kv_heads, head_dim):
     lens = [(300, 300), (1, 1500), (77, 1100), (1, 33), (1, 4097), (129, 129), (2, 900)]
     check_attention(q_heads, kv_heads, head_dim, 16, lens, padding=5)
+    check_attention(q_heads, kv_heads, head_dim, 16, [(1, 1500), (1, 33), (1, 4097), (1, 16)], padding=0)
 
 
 @gpu_only

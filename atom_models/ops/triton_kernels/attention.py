@@ -515,6 +515,75 @@ def _attention_kernel(
         )
 
 
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    tickets_ptr,
+    num_splits,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DECODE_ROWS: tl.constexpr,
+    DECODE_BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """A batch of decode tokens only (one query token a sequence, so sequence i's token is token i).
+
+    The split-KV programs of `_attention_kernel` without its prefill path: fewer registers, and no
+    search of query_start_loc.
+    """
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = pid // num_splits
+    _decode_program(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        out_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        part_out_ptr,
+        part_lse_ptr,
+        tickets_ptr + seq * tl.num_programs(1) + kv_head,
+        seq,
+        pid % num_splits,
+        kv_head,
+        tl.num_programs(1),
+        seq,
+        tl.load(seq_lens_ptr + seq),
+        num_splits,
+        qk_scale,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        GROUP,
+        DECODE_ROWS,
+        HEAD_DIM,
+        DECODE_BLOCK_N,
+        BLOCK_SIZE,
+        SPLITS,
+    )
+
+
 _tickets: dict[torch.device, Tensor] = {}
 
 
@@ -566,6 +635,37 @@ def run_paged_attention(
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = _ticket_counters(q.device, num_seqs * num_kv_heads)
+    if num_tokens == num_seqs:  # every sequence has one query token (none has zero): decode only
+        _decode_kernel[(num_seqs * num_splits, num_kv_heads)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            block_tables,
+            seq_lens,
+            part_out,
+            part_lse,
+            tickets,
+            num_splits,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            DECODE_ROWS=max(16, group_p),
+            DECODE_BLOCK_N=config.decode_block_n,
+            BLOCK_SIZE=block_size,
+            SPLITS=MAX_SPLITS,
+            num_warps=4,
+            num_stages=config.num_stages,
+        )
+        return out
     num_tiles = triton.cdiv(num_tokens, block_q) + num_seqs
     _attention_kernel[(num_seqs * num_splits + num_tiles, num_kv_heads)](
         q,
