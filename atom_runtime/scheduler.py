@@ -52,6 +52,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # New prompts are admitted only while this many blocks stay free for running sequences to grow
+        # into (vLLM's watermark): admitting into the last blocks only buys a preemption a step later.
+        self.watermark_blocks = block_manager.num_blocks // 100
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,6 +88,9 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = self.block_manager.cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+            needed = self.block_manager.blocks_needed(len(prefix) * self.block_manager.block_size + num_new)
+            if self.running and self.block_manager.num_free_blocks - needed < self.watermark_blocks:
+                break
             if not self.block_manager.allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()
