@@ -16,9 +16,9 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -x tests/test_gpu.py tests/test_runner.py tests/test_triton_kernels.py 2>&1 \
              | grep -v Warning | tee "$OUT/tests.log" | tail -25 ;;
     kernels) python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
-    decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400 \
+    decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400 --profile \
              --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
-    decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256 --context 400 \
+    decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256 --context 400 --profile \
              --out "$OUT/decode-llama-3-8b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
     offline-8b) python3 benchmarks/bench_offline.py --preset llama-3-8b --num-prompts 1000 --input-len 1024 \
              --output-len 1024 --out "$OUT/offline-llama-3-8b.json" 2>&1 | grep -v Warning | tail -8 ;;
@@ -26,6 +26,7 @@ for stage in "$@"; do
              --output-len 1024 --out "$OUT/offline-qwen3-0.6b.json" 2>&1 | grep -v Warning | tail -8 ;;
     passes) python3 benchmarks/bench_passes.py --preset qwen3-0.6b --out "$OUT/passes.json" 2>&1 | grep -v Warning | tail -12 ;;
     isolation) python3 benchmarks/bench_engine_isolation.py --out "$OUT/isolation.json" 2>&1 | tail -5 ;;
+    startup) python3 benchmarks/bench_startup.py --preset llama-3-8b --out "$OUT/startup.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -6 ;;
     export) python3 benchmarks/bench_export.py --preset qwen3-0.6b --layers 2 28 --device cuda \
              --out "$OUT/export.json" 2>&1 | tail -6 ;;
     *) echo "unknown stage $stage" ;;

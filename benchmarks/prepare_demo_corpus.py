@@ -3,11 +3,12 @@
     python benchmarks/prepare_demo_corpus.py --out demo_corpus
 
 Downloads one pinned Debian package (`apt-get download`), unpacks it (`dpkg -x`), and extracts the
-main text of every HTML page in sorted path order. A page is held out when a hash of its path falls
-in the held-out share, so the split depends on nothing but the file names. Writes
+main text of every HTML page in sorted path order. A hash of each page's path picks its split, so
+the split depends on nothing but the file names. Writes
 
-    OUT/train.txt, OUT/heldout.txt   documents separated by the tokenizer's end-of-text token
-    OUT/corpus.json                  package, version, .deb checksum, licence, the held-out page list
+    OUT/train.txt, valid.txt, heldout.txt   pages (~97%, ~1%, ~2%), separated by the end-of-text token
+    OUT/chat.txt                            ChatML exchanges drawn from the training pages (see `MainText`)
+    OUT/corpus.json                         package, version, .deb checksum, licence, the held-out pages
 
 The Python documentation is under the PSF License Version 2 (its code examples also under the
 Zero-Clause BSD licence): it allows preparing and distributing derivative works, here a model
@@ -31,6 +32,7 @@ LICENSE = "PSF-2.0 (Python Software Foundation License Version 2); code examples
 HTML_ROOT = "usr/share/doc/python3.11/html"
 END_OF_TEXT = "<|endoftext|>"
 HELDOUT_PER_MILLE = 20  # ~2% of pages
+VALID_PER_MILLE = 10
 # Index, search and changelog pages are lists of links or issue numbers, not prose.
 SKIPPED = re.compile(r"^(genindex.*|search|py-modindex|contents|whatsnew/changelog)\.html$")
 
@@ -40,18 +42,27 @@ BLOCK_TAGS = {
 }  # fmt: skip
 HEADINGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
 VOID_TAGS = {"br", "img", "hr", "meta", "link", "input", "wbr", "col", "source"}
+GLOSSARY_TERM = "<glossary term>"
 
 
 class MainText(HTMLParser):
-    """The text inside Sphinx's `<div role="main">`: paragraphs as blocks, `<pre>` kept verbatim."""
+    """The text inside Sphinx's `<div role="main">`: paragraphs as blocks, `<pre>` kept verbatim.
+
+    It also pairs each documented object (and glossary term) with the first paragraph describing
+    it: the question-answer pairs that teach the model the chat format.
+    """
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.blocks: list[str] = []
+        self.pairs: list[tuple[str, str]] = []
         self.current: list[str] = []
         self.main_depth = 0  # open <div>s since the main one opened; 0: outside it
         self.skip_depth = 0  # open tags since a skipped one (permalink marks, scripts)
         self.pre_depth = 0
+        self.lists: list[str] = []  # the kind of each open <dl>: a py object kind, "glossary" or ""
+        self.question: str | None = None  # asked by the last <dt>, answered in the next <dd>
+        self.answers: list[tuple[str | None, int]] = []  # per open <dd>: its question and <div> depth
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = dict(attrs)
@@ -65,7 +76,8 @@ class MainText(HTMLParser):
             if tag not in VOID_TAGS:
                 self.skip_depth += 1
             return
-        if tag in ("script", "style") or "headerlink" in (attributes.get("class") or ""):
+        classes = (attributes.get("class") or "").split()
+        if tag in ("script", "style") or "headerlink" in classes:
             self.skip_depth = 1
             return
         if tag in BLOCK_TAGS:
@@ -76,6 +88,13 @@ class MainText(HTMLParser):
             self.current.append("- ")
         elif tag in ("td", "th"):
             self.current.append(" ")
+        elif tag == "dl":
+            self.lists.append(classes[1] if classes[:1] == ["py"] and len(classes) > 1 else " ".join(classes))
+        elif tag == "dt" and self.lists and self.question is None and attributes.get("id"):
+            self.question = _question(self.lists[-1], attributes["id"])
+        elif tag == "dd":
+            self.answers.append((self.question, self.main_depth))
+            self.question = None
 
     def handle_endtag(self, tag: str) -> None:
         if self.main_depth == 0:
@@ -86,8 +105,26 @@ class MainText(HTMLParser):
             self.flush()
             if tag == "pre":
                 self.pre_depth -= 1
+            elif tag == "dl" and self.lists:
+                self.lists.pop()
+            elif tag == "dt" and self.question == GLOSSARY_TERM and self.blocks:
+                self.question = f"What does “{self.blocks[-1]}” mean in Python?"
+            elif tag == "dd" and self.answers:
+                self.answers.pop()
+            elif tag == "p":
+                self.answer()
         if tag == "div":
             self.main_depth -= 1
+
+    def answer(self) -> None:
+        """The paragraph just closed answers its <dd>'s question if it is the first one directly inside it."""
+        if not self.answers or self.answers[-1][0] is None or self.answers[-1][1] != self.main_depth:
+            return
+        question = self.answers[-1][0]
+        self.answers[-1] = (None, self.main_depth)
+        text = self.blocks[-1]
+        if 30 <= len(text) <= 500 and text.endswith("."):
+            self.pairs.append((question, text))
 
     def handle_data(self, data: str) -> None:
         if self.main_depth and not self.skip_depth:
@@ -101,16 +138,39 @@ class MainText(HTMLParser):
             self.blocks.append(text)
 
 
-def page_text(html: str) -> str:
+def _question(kind: str, anchor: str) -> str | None:
+    if kind == "glossary":
+        return GLOSSARY_TERM  # the term is the <dt>'s text, known when it closes
+    if kind in ("function", "method", "classmethod", "staticmethod"):
+        return f"What does {anchor}() do?"
+    if kind in ("class", "exception", "data", "attribute"):
+        return f"What is {anchor}?"
+    return None
+
+
+def parse_page(html: str) -> MainText:
     parser = MainText()
     parser.feed(html)
     parser.close()
     parser.flush()
-    return "\n\n".join(parser.blocks)
+    return parser
 
 
-def is_heldout(name: str) -> bool:
-    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 1000 < HELDOUT_PER_MILLE
+def split_of(name: str) -> str:
+    """ "heldout" (~2%, for the reported perplexity), "valid" (~1%, picks the checkpoint) or "train"."""
+    bucket = int(hashlib.sha256(name.encode()).hexdigest(), 16) % 1000
+    return (
+        "heldout"
+        if bucket < HELDOUT_PER_MILLE
+        else "valid"
+        if bucket < HELDOUT_PER_MILLE + VALID_PER_MILLE
+        else "train"
+    )
+
+
+def chat_document(question: str, answer: str) -> str:
+    """One exchange as the ChatML template renders it (atom_models.checkpoints.CHATML_TEMPLATE)."""
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
 
 
 def fetch_package(work: Path) -> Path:
@@ -134,37 +194,37 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("demo_corpus"))
     args = parser.parse_args()
     root = fetch_package(args.out / "package")
-    train, heldout, heldout_pages = [], [], []
-    pages = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.html"))
-    for name in pages:
+    splits: dict[str, list[str]] = {"train": [], "valid": [], "heldout": []}
+    pages: dict[str, list[str]] = {"train": [], "valid": [], "heldout": []}
+    chat: list[str] = []
+    for name in sorted(p.relative_to(root).as_posix() for p in root.rglob("*.html")):
         if SKIPPED.match(name):
             continue
-        text = page_text((root / name).read_text(encoding="utf-8"))
-        if not text:
+        page = parse_page((root / name).read_text(encoding="utf-8"))
+        if not page.blocks:
             continue
-        if is_heldout(name):
-            heldout.append(text)
-            heldout_pages.append(name)
-        else:
-            train.append(text)
+        split = split_of(name)
+        splits[split].append("\n\n".join(page.blocks))
+        pages[split].append(name)
+        if split == "train":
+            chat.extend(chat_document(q, a) for q, a in page.pairs)
     separator = f"\n{END_OF_TEXT}\n"
-    (args.out / "train.txt").write_text(separator.join(train) + "\n", encoding="utf-8")
-    (args.out / "heldout.txt").write_text(separator.join(heldout) + "\n", encoding="utf-8")
+    for split, documents in {**splits, "chat": chat}.items():
+        (args.out / f"{split}.txt").write_text(separator.join(documents) + "\n", encoding="utf-8")
     summary = {
         "package": PACKAGE,
         "version": VERSION,
         "deb_sha256": DEB_SHA256,
         "license": LICENSE,
         "source": f"Debian bookworm, {HTML_ROOT}/**/*.html (main text of each page)",
-        "train_documents": len(train),
-        "train_characters": sum(map(len, train)),
-        "heldout_documents": len(heldout),
-        "heldout_characters": sum(map(len, heldout)),
-        "heldout_pages": heldout_pages,
+        **{f"{split}_documents": len(docs) for split, docs in splits.items()},
+        **{f"{split}_characters": sum(map(len, docs)) for split, docs in splits.items()},
+        "chat_documents": len(chat),
+        "valid_pages": pages["valid"],
+        "heldout_pages": pages["heldout"],
     }
     (args.out / "corpus.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in summary.items() if k != "heldout_pages"}, indent=2))
-    print("held out:", ", ".join(heldout_pages))
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
