@@ -32,7 +32,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from atom_models.checkpoints import CHATML_TEMPLATE, SPECIAL_TOKENS
 
 END_OF_TEXT, IM_END = SPECIAL_TOKENS[0], SPECIAL_TOKENS[2]
-CALIBRATION_STEPS = 20  # timed steps before --time-budget fixes the step count
+CALIBRATION = (5, 25)  # --time-budget times these steps (after the first, slow ones), then fixes the step count
 
 
 @dataclass
@@ -155,6 +155,11 @@ def windows_at(stream: torch.Tensor, offsets: torch.Tensor, seq_len: int, device
     return batch[:, :-1], batch[:, 1:]
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -194,12 +199,15 @@ def train(corpus: Path, out: Path, hyper: Hyper, device: torch.device, time_budg
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        if step == CALIBRATION_STEPS and time_budget is not None and hyper.steps is None:
-            per_step = (time.perf_counter() - train_started) / step
-            fitting = int(time_budget / per_step)
-            if fitting < steps:
-                log(f"time budget {time_budget:.0f} s at {per_step * 1e3:.1f} ms/step: {steps} steps cut to {fitting}")
-                steps = fitting
+        if step == CALIBRATION[0]:
+            synchronize(device)
+            calibration_started = time.perf_counter()
+        elif step == CALIBRATION[1] and time_budget is not None and hyper.steps is None:
+            synchronize(device)
+            per_step = (time.perf_counter() - calibration_started) / (CALIBRATION[1] - CALIBRATION[0])
+            fitting = int((time_budget - (time.perf_counter() - train_started)) / per_step) + step
+            log(f"{per_step * 1e3:.1f} ms/step: {fitting} steps fit the time budget of {time_budget:.0f} s")
+            steps = min(steps, fitting)
         if step % hyper.eval_every == 0 or step == steps:
             valid_loss = mean_loss(model, valid_stream, hyper.seq_len, hyper.batch_size, device)
             elapsed = time.perf_counter() - train_started
