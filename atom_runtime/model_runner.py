@@ -66,6 +66,12 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        self._turn = 0
+        self._sampled_host = (
+            [(torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in "ab"]
+            if self.device.type == "cuda"
+            else []
+        )
         self.graphs: DecodeGraphs | None = None
         if self.capture_sizes:
             self.graphs = DecodeGraphs(self, self.capture_sizes)
@@ -187,7 +193,12 @@ class ModelRunner:
         if not sampling:
             return None
         sample = self.sampler(logits[: len(sampling)], sampling)
-        sample.start_copy()
+        # Two steps can be in flight on the host side (one queued, one being read): alternate buffers.
+        self._turn ^= 1
+        if self._sampled_host:
+            sample.start_copy(*self._sampled_host[self._turn])
+        else:
+            sample.start_copy()
         return sample
 
     def _step_args(self, tokens: int, seqs: int, logits: int) -> tuple:

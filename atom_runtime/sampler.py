@@ -36,16 +36,25 @@ class DeviceSample:
     host: dict[str, Tensor] | None = None
     ready: torch.cuda.Event | None = None
 
-    def start_copy(self) -> None:
-        """Begin the device-to-host copy now, so the host can wait for it later without a sync point here."""
+    def start_copy(self, token_buffer: Tensor | None = None, ready: torch.cuda.Event | None = None) -> None:
+        """Begin the device-to-host copy now, so the host can wait for it later without a sync point here.
+
+        `token_buffer` (pinned, at least as long as the batch) and `ready` let the caller reuse the
+        host buffer and event of an earlier step, so the step loop allocates neither.
+        """
         tensors = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
         if self.token_ids.device.type != "cuda":
             self.host = tensors
             return
-        self.host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items()}
+        self.host = {
+            k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items() if k != "token_ids"
+        }
+        if token_buffer is None:
+            token_buffer = torch.empty(self.token_ids.shape, dtype=self.token_ids.dtype, pin_memory=True)
+        self.host["token_ids"] = token_buffer[: self.token_ids.shape[0]]
         for k, v in tensors.items():
             self.host[k].copy_(v, non_blocking=True)
-        self.ready = torch.cuda.Event()
+        self.ready = ready or torch.cuda.Event()
         self.ready.record()
 
     def to_host(self) -> SampledTokens:
