@@ -332,7 +332,7 @@ def main() -> None:
     args = parser.parse_args()
     hyper = Hyper(**{field: getattr(args, field) for field in asdict(Hyper())})
     if args.smoke:
-        hyper = replace(hyper, vocab_size=512, batch_size=4, seq_len=64, warmup_steps=2, eval_every=2)
+        hyper = replace(hyper, vocab_size=512, batch_size=4, seq_len=64, warmup_steps=2)
     train(args.corpus, args.out, hyper, torch.device(args.device), args.time_budget)
 
 
