@@ -111,6 +111,8 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
                 forward, pieces_by_name = load_top_graph(staging), load_pieces(staging, piece_entries)
                 warm_kernels(staging / TRITON_CACHE, partial(forward, pieces_by_name), traced, model, max_model_len)
             weights = _write_weights(staging, model, model_dir, options)
+            quant_config = getattr(model, "quant_config", None)
+            kv_scaled = quant_config is not None and quant_config.kv_cache_scales
             _copy_tokenizer(model_dir, staging)
             files = [str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file()]
             manifest = {
@@ -122,7 +124,9 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
                 "device": str(device),
                 "ops_backend": backend,
                 "level": options.level,
-                "quantization": options.quantization,
+                "quantization": quant_config.to_dict() if quant_config is not None else None,
+                # An FP8 KV cache (--kv-cache-dtype fp8 at serve time) is scaled per tensor by these.
+                "kv_cache_scales": "per-tensor, from the checkpoint" if kv_scaled else "per-tensor, 1.0",
                 "passes": [asdict(r) for r in records],
                 "max_model_len": max_model_len,
                 "max_num_seqs": options.max_num_seqs,

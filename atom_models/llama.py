@@ -4,7 +4,8 @@ Read top to bottom: attention (fused QKV projection, RoPE, paged attention), MLP
 gate/up projection, SiLU·mul), the decoder layer (pre-norm with the residual add fused
 into the next norm), the stack, and the causal-LM head. Weights arrive through each
 parameter's `weight_loader`; `packed_modules_mapping` says which checkpoint tensors are
-packed into which parameter.
+packed into which parameter. `quant` (a `QuantizationConfig`) is asked, by checkpoint module
+name, how each linear layer is quantized.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from atom_models.layers import (
     RotaryEmbedding,
     VocabEmbedding,
 )
+from atom_models.quantization import LayerQuantConfig, QuantizationConfig
+
+
+def linear_quant(
+    quant: QuantizationConfig | None, prefix: str, packed_from: tuple[str, ...] = ()
+) -> LayerQuantConfig | None:
+    """The spec of the linear layer at `prefix` (None: unquantized)."""
+    return quant.linear(prefix, packed_from) if quant is not None else None
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -42,7 +51,9 @@ def make_rotary(config: PretrainedConfig) -> RotaryEmbedding:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, quant: str | None):
+    def __init__(
+        self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, quant: QuantizationConfig | None, prefix: str
+    ):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -55,11 +66,12 @@ class LlamaAttention(nn.Module):
             [self.q_size, self.kv_size, self.kv_size],
             bias=bias,
             shard_ids=["q", "k", "v"],
-            quant=quant,
+            quant=linear_quant(quant, f"{prefix}.qkv_proj", ("q_proj", "k_proj", "v_proj")),
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, quant=quant)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, quant=linear_quant(quant, f"{prefix}.o_proj"))
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        kv_cache_scales = quant is not None and quant.kv_cache_scales
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, kv_cache_scales)
 
     def split_heads(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -77,14 +89,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, quant: str | None):
+    def __init__(self, config: PretrainedConfig, quant: QuantizationConfig | None, prefix: str):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=bias, shard_ids=[0, 1], quant=quant)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias, quant=quant)
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            [size, size],
+            bias=bias,
+            shard_ids=[0, 1],
+            quant=linear_quant(quant, f"{prefix}.gate_up_proj", ("gate_proj", "up_proj")),
+        )
+        self.down_proj = Linear(size, config.hidden_size, bias=bias, quant=linear_quant(quant, f"{prefix}.down_proj"))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(torch.ops.atom.silu_and_mul(self.gate_up_proj(x)))
@@ -93,10 +111,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention
 
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, quant: str | None):
+    def __init__(
+        self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, quant: QuantizationConfig | None, prefix: str
+    ):
         super().__init__()
-        self.self_attn = self.attention_class(config, rotary_emb, quant)
-        self.mlp = LlamaMLP(config, quant)
+        self.self_attn = self.attention_class(config, rotary_emb, quant, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -115,12 +135,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     layer_class = LlamaDecoderLayer
 
-    def __init__(self, config: PretrainedConfig, quant: str | None):
+    def __init__(self, config: PretrainedConfig, quant: QuantizationConfig | None, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = make_rotary(config)
         self.layers = nn.ModuleList(
-            self.layer_class(config, rotary_emb, quant) for _ in range(config.num_hidden_layers)
+            self.layer_class(config, rotary_emb, quant, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,9 +163,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, quant: str | None = None):
+    def __init__(self, config: PretrainedConfig, quant: QuantizationConfig | None = None):
         super().__init__()
         self.config = config
+        self.quant_config = quant
         self.model = self.model_class(config, quant)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:

@@ -1,4 +1,4 @@
-"""Build a model from an HF directory: config, dtype, device, and safetensors weights."""
+"""Build a model from an HF directory: config, dtype, device, quantization, and safetensors weights."""
 
 from __future__ import annotations
 
@@ -13,11 +13,23 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from atom_models.layers import Linear
+from atom_models.quantization import QuantizationConfig
 from atom_models.registry import model_class_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Checkpoint tensors that hold nothing the model needs (recomputed at build time).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint name endings -> ours: KV-cache scales belong to the attention layer that writes the
+# cache (compressed-tensors' names, and the older output_scale of k/v_proj); the fp8 format's
+# `weight_scale_inv` multiplies the weight like every other `weight_scale`.
+RENAMED_SUFFIXES = (
+    (".self_attn.k_scale", ".self_attn.attn.k_scale"),
+    (".self_attn.v_scale", ".self_attn.attn.v_scale"),
+    (".self_attn.k_proj.output_scale", ".self_attn.attn.k_scale"),
+    (".self_attn.v_proj.output_scale", ".self_attn.attn.v_scale"),
+    (".weight_scale_inv", ".weight_scale"),
+)
 
 
 class WeightLoadError(ValueError):
@@ -55,11 +67,18 @@ def default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 
 def build_model(
-    config: PretrainedConfig, dtype: torch.dtype, device: torch.device, quant: str | None = None
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantizationConfig | dict | str | None = None,
 ) -> nn.Module:
-    """The model with uninitialised weights, allocated directly on `device`."""
+    """The model with uninitialised weights, allocated directly on `device`.
+
+    `quant`: see `QuantizationConfig.resolve` (a checkpoint's own quantization_config always applies).
+    """
+    quant_config = QuantizationConfig.resolve(config, quant)
     with default_dtype_and_device(dtype, device):
-        return model_class_for(config)(config, quant=quant).eval()
+        return model_class_for(config)(config, quant=quant_config).eval()
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -90,6 +109,9 @@ def iterate_checkpoint(model_dir: Path, progress: bool) -> Iterator[tuple[str, t
 
 def parameter_name(model: nn.Module, checkpoint_name: str) -> tuple[str, str | int | None]:
     """Map a checkpoint tensor name onto (our parameter name, shard id)."""
+    for suffix, ours in RENAMED_SUFFIXES:
+        if checkpoint_name.endswith(suffix):
+            checkpoint_name = checkpoint_name.removesuffix(suffix) + ours
     for source, (target, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{source}." in checkpoint_name:
             return checkpoint_name.replace(f".{source}.", f".{target}."), shard_id
@@ -133,7 +155,7 @@ def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
-    quant: str | None = None,
+    quant: QuantizationConfig | dict | str | None = None,
     progress: bool = True,
 ) -> nn.Module:
     config = load_config(model_dir)
@@ -143,15 +165,21 @@ def load_model(
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarking without a checkpoint (ATOM's --load_dummy)."""
+    """Random weights for benchmarking without a checkpoint (ATOM's --load_dummy).
+
+    Quantized linear layers fill their FP8 weights and scales themselves; other scales
+    (KV-cache ones) keep their defaults.
+    """
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    filled = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant is not None:
+            module.fill_dummy(generator, 0.02)
+            filled.add(id(module.weight))
     for name, param in model.named_parameters():
-        if param.dtype.is_floating_point and param.element_size() >= 2:
-            if name.endswith("norm.weight"):
-                param.data.fill_(1.0)
-            else:
-                param.data.normal_(0.0, 0.02, generator=generator)
-        else:  # fp8 weights: quantize random values through their loader
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, torch.randn(param.shape, generator=generator, device=param.device) * 0.02)
+        if id(param) in filled or getattr(param, "quant_scale", False):
+            continue
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)

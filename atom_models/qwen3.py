@@ -10,11 +10,14 @@ from transformers import PretrainedConfig
 
 from atom_models.layers import AttentionMetadata, RMSNorm, RotaryEmbedding
 from atom_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from atom_models.quantization import QuantizationConfig
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, quant: str | None):
-        super().__init__(config, rotary_emb, quant)
+    def __init__(
+        self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, quant: QuantizationConfig | None, prefix: str
+    ):
+        super().__init__(config, rotary_emb, quant, prefix)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 

@@ -6,6 +6,7 @@ After:   q' = rope_and_cache(pos, q, k, v, cos_sin, kv_cache, slots)
          out = paged_attention(q', kv_cache, block_tables, seq_lens, query_start_loc)
 
 The rotated keys go straight from registers into the cache, and attention only reads it.
+An FP8 cache's k/v scales, when the model passes them, follow into both ops.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ class RopeIntoAttention:
 
     def fuse(self, graph: Graph, write_op: str, q: Node, k: Node, extra_args: tuple) -> None:
         """Replace rotary + unified_attention by `write_op(...)` + paged_attention."""
-        q_rot, k_rot, v, kv_cache, slots, block_tables, seq_lens, query_start_loc, scale = self.attention.args
+        q_rot, k_rot, v, kv_cache, slots, block_tables, seq_lens, query_start_loc, scale, *kv_scales = (
+            self.attention.args
+        )
         with graph.inserting_before(self.attention):
             q_out = graph.call_function(
-                op(write_op), (self.positions, q, k, v, *extra_args, self.cos_sin_cache, kv_cache, slots)
+                op(write_op), (self.positions, q, k, v, *extra_args, self.cos_sin_cache, kv_cache, slots, *kv_scales)
             )
             out = graph.call_function(
-                op("paged_attention"), (q_out, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+                op("paged_attention"), (q_out, kv_cache, block_tables, seq_lens, query_start_loc, scale, *kv_scales)
             )
         q_out.meta["val"] = q_rot.meta.get("val")
         out.meta.update(self.attention.meta)

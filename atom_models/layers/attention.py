@@ -33,16 +33,46 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Writes this step's k/v into the layer's cache, then attends over the whole context."""
+    """Writes this step's k/v into the layer's cache, then attends over the whole context.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    With `kv_cache_scales` it holds the checkpoint's calibrated per-tensor `k_scale`/`v_scale`
+    for an FP8 cache and passes them to the ops; without, an FP8 cache uses 1.0.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_cache_scales: bool = False):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.kv_cache_scales = kv_cache_scales
+        if kv_cache_scales:
+            self.k_scale, self.v_scale = kv_scale_parameter(), kv_scale_parameter()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        kv_scales = (self.k_scale, self.v_scale) if self.kv_cache_scales else ()
         return torch.ops.atom.unified_attention(
-            q, k, v, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+            q,
+            k,
+            v,
+            kv_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            *kv_scales,
         )
+
+
+def kv_scale_parameter() -> nn.Parameter:
+    param = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+    param.weight_loader = load_scalar
+    param.quant_scale = True
+    return param
+
+
+def load_scalar(param: nn.Parameter, loaded: Tensor, shard_id: None = None) -> None:
+    if loaded.numel() != 1:
+        raise ValueError(f"a per-tensor scale has one element, got shape {tuple(loaded.shape)}")
+    param.data.copy_(loaded.reshape(1))

@@ -4,6 +4,18 @@ One `Linear` covers plain projections and packed ones: `output_sizes=[q, k, v]` 
 several checkpoint tensors along the output dimension, each loaded by its shard id.
 Loading goes through `weight_loader(param, tensor, shard_id)` on the parameter, as in
 vLLM, so tensor-parallel sharding and quantized formats hook in at one place.
+
+With a `LayerQuantConfig` the weight is e4m3 with fp32 `weight_scale`:
+
+- per tensor: [1]; a packed layer keeps each shard's scale on its rows ([out, 1]), so shards
+  quantized separately stay exact (the matmul is then row-wise scaled);
+- per channel: [out, 1];
+- per block (bn, bk): [cdiv(out, bn), cdiv(in, bk)]; packed shards must start on block rows.
+
+Checkpoint FP8 weights and scales load as they are (the fp8 format's `weight_scale_inv` is the
+same multiplier under another name, mapped by the loader); online quantization quantizes each
+shard as it loads. Static activation schemes add `input_scale` [1]: the largest of the packed
+shards' scales, since they all quantize the same input.
 """
 
 from __future__ import annotations
@@ -14,9 +26,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from atom_models.ops.quant import FP8_DTYPE, quantize_weight_per_channel
+from atom_models.ops.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    quantize_fp8_static,
+    quantize_weight,
+)
+from atom_models.quantization.config import LayerQuantConfig
 
-QUANT_METHODS = ("fp8",)
+# Static input scales of dummy weights cover activations up to this magnitude (normalised hidden states).
+DUMMY_INPUT_RANGE = 16.0
 
 
 def frozen(t: Tensor) -> nn.Parameter:
@@ -31,7 +51,7 @@ class Linear(nn.Module):
         *,
         bias: bool = False,
         shard_ids: Sequence[str | int] | None = None,
-        quant: str | None = None,
+        quant: LayerQuantConfig | None = None,
     ):
         super().__init__()
         self.in_features = in_features
@@ -40,18 +60,35 @@ class Linear(nn.Module):
         self.shard_ids = list(shard_ids) if shard_ids is not None else None
         if self.shard_ids is not None and len(self.shard_ids) != len(self.output_sizes):
             raise ValueError("one shard id per output size")
-        if quant is not None and quant not in QUANT_METHODS:
-            raise ValueError(f"unknown quantization {quant!r}; supported: {', '.join(QUANT_METHODS)}")
         self.quant = quant
-        weight_dtype = FP8_DTYPE if quant == "fp8" else None
-        self.weight = frozen(torch.empty(self.out_features, in_features, dtype=weight_dtype))
+        self.weight = frozen(torch.empty(self.out_features, in_features, dtype=FP8_DTYPE if quant else None))
         self._loadable(self.weight)
-        if quant == "fp8":
-            # Filled when the weight loads (online per-channel quantization).
-            self.weight_scale = frozen(torch.empty(self.out_features, 1, dtype=torch.float32))
+        if quant is not None:
+            self.weight_scale = frozen(torch.ones(self._scale_shape(), dtype=torch.float32))
+            self.weight_scale.quant_scale = True
+            if not quant.online:  # online scales are computed when the weight loads
+                self._loadable(self.weight_scale)
+            if quant.activations == "static_per_tensor":
+                self.input_scale = frozen(torch.zeros(1, dtype=torch.float32))
+                self.input_scale.quant_scale = True
+                self._loadable(self.input_scale)
         self.bias = frozen(torch.empty(self.out_features)) if bias else None
         if bias:
             self._loadable(self.bias)
+
+    def _scale_shape(self) -> tuple[int, ...]:
+        spec, out, packed = self.quant, self.out_features, len(self.output_sizes) > 1
+        if spec.weights == "block":
+            bn, bk = spec.block_size
+            if any(size % bn for size in self.output_sizes[:-1]):
+                raise ValueError(
+                    f"packed output sizes {self.output_sizes} do not start on {bn}-row weight blocks: "
+                    "block-quantized shards must be whole blocks"
+                )
+            return -(-out // bn), -(-self.in_features // bk)
+        if spec.weights == "per_channel" or packed:
+            return out, 1
+        return (1,)
 
     def _loadable(self, param: nn.Parameter) -> None:
         param.weight_loader = self.weight_loader
@@ -68,20 +105,102 @@ class Linear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Tensor, shard_id: str | int | None = None) -> None:
         rows = self._rows(shard_id)
-        expected = (rows.stop - rows.start, *param.shape[1:])
+        if param is self.weight:
+            self._load_weight(rows, loaded)
+        elif param is self.bias:
+            self._check_shape(loaded, (rows.stop - rows.start,))
+            param.data[rows].copy_(loaded)
+        elif param is self.weight_scale:
+            self._load_scale(rows, loaded)
+        else:  # input_scale: one for the layer's input, whichever shard it came with
+            if loaded.numel() != 1:
+                raise ValueError(f"a per-tensor input scale has one element, got shape {tuple(loaded.shape)}")
+            param.data.copy_(torch.maximum(param.data, loaded.reshape(1).to(param)))
+
+    def _check_shape(self, loaded: Tensor, expected: tuple[int, ...]) -> None:
         if tuple(loaded.shape) != expected:
             raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match parameter shape {expected}")
-        if param is self.weight and self.quant == "fp8" and loaded.dtype != FP8_DTYPE:
-            weight, scale = quantize_weight_per_channel(loaded.to(param.device))
-            self.weight_scale.data[rows].copy_(scale)
-            loaded = weight
-        param.data[rows].copy_(loaded)
+
+    def _load_weight(self, rows: slice, loaded: Tensor) -> None:
+        self._check_shape(loaded, (rows.stop - rows.start, self.in_features))
+        is_fp8 = loaded.dtype == FP8_DTYPE
+        if self.quant is None or self.quant.online:
+            if is_fp8:
+                raise ValueError(
+                    "the checkpoint holds FP8 weights here but the layer is not set to load them; "
+                    "config.json's quantization_config should name this format (or exclude the layer?)"
+                )
+            if self.quant is not None:
+                loaded, scale = quantize_weight(
+                    loaded.to(self.weight.device), self.quant.weights, self.quant.block_size
+                )
+                self._store_scale(rows, scale)
+        elif not is_fp8:
+            raise ValueError(
+                f"expected float8_e4m3fn weights (the quantization config says this layer is quantized), "
+                f"got {loaded.dtype}"
+            )
+        self.weight.data[rows].copy_(loaded)
+
+    def _load_scale(self, rows: slice, loaded: Tensor) -> None:
+        spec, n = self.quant, rows.stop - rows.start
+        if spec.weights == "block":
+            bn, bk = spec.block_size
+            expected = (-(-n // bn), -(-self.in_features // bk))
+            if tuple(loaded.shape) != expected:
+                raise ValueError(
+                    f"scale shape {tuple(loaded.shape)} does not fit a [{n}, {self.in_features}] weight in "
+                    f"{bn}x{bk} blocks: expected {expected}"
+                )
+        elif spec.weights == "per_channel" and loaded.numel() != n:
+            raise ValueError(
+                f"per-channel scale shape {tuple(loaded.shape)} does not fit {n} output rows: expected ({n}, 1)"
+            )
+        elif spec.weights == "per_tensor" and loaded.numel() != 1:
+            raise ValueError(f"per-tensor scale shape {tuple(loaded.shape)} has {loaded.numel()} elements, not 1")
+        self._store_scale(rows, loaded)
+
+    def _store_scale(self, rows: slice, scale: Tensor) -> None:
+        """A shard's scale into `weight_scale`: its block rows, the layer's one scale, or its rows."""
+        target = self.weight_scale.data
+        if self.quant.weights == "block":
+            start = rows.start // self.quant.block_size[0]
+            target[start : start + scale.shape[0]].copy_(scale)
+        elif target.shape[0] == 1:
+            target.copy_(scale.reshape(1))
+        else:  # per-channel scales, or a shard's per-tensor scale repeated on each of its rows
+            target[rows].copy_(scale.reshape(-1, 1).expand(rows.stop - rows.start, 1))
+
+    def fill_dummy(self, generator: torch.Generator, std: float) -> None:
+        """Random weights (`--load-dummy`), each shard quantized as a checkpoint would hold it."""
+        for shard_id in self.shard_ids or [None]:
+            rows = self._rows(shard_id)
+            shape = (rows.stop - rows.start, self.in_features)
+            w = torch.randn(shape, generator=generator, device=self.weight.device) * std
+            weight, scale = quantize_weight(w, self.quant.weights, self.quant.block_size)
+            self.weight.data[rows].copy_(weight)
+            self._store_scale(rows, scale)
+        if self.quant.activations == "static_per_tensor":
+            self.input_scale.data.fill_(DUMMY_INPUT_RANGE / FP8_MAX)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.quant == "fp8":
+        spec = self.quant
+        if spec is None:
+            return F.linear(x, self.weight, self.bias)
+        if spec.activations == "none":  # weight-only: dequantize, multiply in the activation dtype
+            weight = dequantize_weight(self.weight, self.weight_scale, spec.block_size).to(x.dtype)
+            return F.linear(x, weight, self.bias)
+        if spec.activations == "static_per_tensor":
+            x_q, x_scale = quantize_fp8_static(x, self.input_scale), self.input_scale
+        else:
             x_q, x_scale = torch.ops.atom.quant_fp8_per_token(x)
-            return torch.ops.atom.scaled_mm(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        if spec.weights == "block":
+            bn, bk = spec.block_size
+            return torch.ops.atom.scaled_mm_blockwise(
+                x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype, bn, bk
+            )
+        return torch.ops.atom.scaled_mm(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, quant={self.quant}"
+        quant = self.quant.describe() if self.quant else None
+        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, quant={quant}"

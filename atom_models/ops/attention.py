@@ -10,6 +10,16 @@ for padding that must not be written.
 `unified_attention` writes the new keys/values and then attends: it is what models call.
 The rope/QK-norm fusion pass moves the write into `rope_and_cache` /
 `qk_norm_rope_and_cache` and leaves `paged_attention`, which only reads the cache.
+
+FP8 KV cache (`--kv-cache-dtype fp8`): a float8_e4m3fn cache holds k / k_scale and v / v_scale,
+saturated at ±448, and attention reads k * k_scale, v * v_scale. The scales are per tensor (one
+k and one v scale per layer): the checkpoint's calibrated `k_scale`/`v_scale` when it has them
+(compressed-tensors `kv_cache_scheme`), passed to every op as explicit inputs, else 1.0 (the
+ops' default when none is passed), as vLLM does without calibration. Per tensor rather than per
+token and head because decode reads the whole cache every step: a per-tensor scale adds no bytes
+to that read, folds into the softmax scale (k) and the output (v), and keeps the cache one tensor
+a layer; e4m3's exponent already covers the spread between tokens that per-token scales would
+absorb. Caches of other dtypes ignore the scales.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from torch import Tensor
 
 from atom_models.ops.backend import implementation, register_impl
 from atom_models.ops.norm import rms_norm_reference
+from atom_models.ops.quant import FP8_DTYPE, quantize_fp8_static
 from atom_models.ops.rotary import rotary_embedding_reference
 
 # Ops that are the graph's split points: they read or write the KV cache, stay opaque
@@ -33,24 +44,40 @@ KV_CACHE_OPS = (
 
 
 @torch.library.custom_op("atom::reshape_and_cache", mutates_args=("kv_cache",))
-def reshape_and_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    implementation("reshape_and_cache", k.device)(k, v, kv_cache, slot_mapping)
+def reshape_and_cache(
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    implementation("reshape_and_cache", k.device)(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 @reshape_and_cache.register_fake
-def _(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+def _(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     return None
 
 
 @torch.library.custom_op("atom::paged_attention", mutates_args=())
 def paged_attention(
-    q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+    q: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    return implementation("paged_attention", q.device)(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    return implementation("paged_attention", q.device)(
+        q, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+    )
 
 
 @paged_attention.register_fake
-def _(q, kv_cache, block_tables, seq_lens, query_start_loc, scale):
+def _(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
@@ -65,26 +92,38 @@ def unified_attention(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    reshape_and_cache(k, v, kv_cache, slot_mapping)
-    return paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    reshape_and_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    return paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
 
 
 @unified_attention.register_fake
-def _(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale):
+def _(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
 @torch.library.custom_op("atom::rope_and_cache", mutates_args=("kv_cache",))
 def rope_and_cache(
-    positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor, kv_cache: Tensor, slot_mapping: Tensor
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos_sin_cache: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """RoPE on q and k, then k and v into the cache; returns the rotated q."""
-    return implementation("rope_and_cache", q.device)(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    return implementation("rope_and_cache", q.device)(
+        positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping, k_scale, v_scale
+    )
 
 
 @rope_and_cache.register_fake
-def _(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping):
+def _(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     return q.new_empty(q.shape)
 
 
@@ -100,30 +139,73 @@ def qk_norm_rope_and_cache(
     cos_sin_cache: Tensor,
     kv_cache: Tensor,
     slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Per-head RMSNorm of q and k (Qwen3), RoPE, then k and v into the cache; returns q."""
     return implementation("qk_norm_rope_and_cache", q.device)(
-        positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping
+        positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping, k_scale, v_scale
     )
 
 
 @qk_norm_rope_and_cache.register_fake
-def _(positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping):
+def _(
+    positions,
+    q,
+    k,
+    v,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    cos_sin_cache,
+    kv_cache,
+    slot_mapping,
+    k_scale=None,
+    v_scale=None,
+):
     return q.new_empty(q.shape)
 
 
+def to_cache_dtype(x: Tensor, cache_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
+    """x as the cache stores it: x / scale saturated to e4m3 in an FP8 cache, else a plain cast."""
+    if cache_dtype == FP8_DTYPE:
+        return quantize_fp8_static(x, scale if scale is not None else 1.0)
+    return x.to(cache_dtype)
+
+
+def from_cache(x: Tensor, scale: Tensor | None) -> Tensor:
+    """fp32 values of cache entries: FP8 ones times their scale."""
+    if x.dtype == FP8_DTYPE and scale is not None:
+        return x.float() * scale
+    return x.float()
+
+
 @register_impl("reshape_and_cache", "torch")
-def reshape_and_cache_reference(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+def reshape_and_cache_reference(
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
     slots = slot_mapping.long()
     valid = slots >= 0
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-    flat[0, slots[valid]] = k[valid].to(kv_cache.dtype)
-    flat[1, slots[valid]] = v[valid].to(kv_cache.dtype)
+    flat[0, slots[valid]] = to_cache_dtype(k[valid], kv_cache.dtype, k_scale)
+    flat[1, slots[valid]] = to_cache_dtype(v[valid], kv_cache.dtype, v_scale)
 
 
 @register_impl("paged_attention", "torch")
 def paged_attention_reference(
-    q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+    q: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     out = torch.zeros_like(q)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -134,8 +216,8 @@ def paged_attention_reference(
         if last == first:
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        k = from_cache(kv_cache[0, blocks].flatten(0, 1)[:seq_len], k_scale).repeat_interleave(group, dim=1)
+        v = from_cache(kv_cache[1, blocks].flatten(0, 1)[:seq_len], v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), k) * scale
         query_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)
         future = torch.arange(seq_len, device=q.device)[None, :] > query_pos[:, None]
@@ -145,16 +227,29 @@ def paged_attention_reference(
 
 
 @register_impl("rope_and_cache", "torch")
-def rope_and_cache_reference(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping) -> Tensor:
+def rope_and_cache_reference(
+    positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping, k_scale=None, v_scale=None
+) -> Tensor:
     q, k = rotary_embedding_reference(positions, q, k, cos_sin_cache)
-    reshape_and_cache_reference(k, v, kv_cache, slot_mapping)
+    reshape_and_cache_reference(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
 @register_impl("qk_norm_rope_and_cache", "torch")
 def qk_norm_rope_and_cache_reference(
-    positions, q, k, v, q_norm_weight, k_norm_weight, eps, cos_sin_cache, kv_cache, slot_mapping
+    positions,
+    q,
+    k,
+    v,
+    q_norm_weight,
+    k_norm_weight,
+    eps,
+    cos_sin_cache,
+    kv_cache,
+    slot_mapping,
+    k_scale=None,
+    v_scale=None,
 ) -> Tensor:
     q = rms_norm_reference(q, q_norm_weight, eps)
     k = rms_norm_reference(k, k_norm_weight, eps)
-    return rope_and_cache_reference(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    return rope_and_cache_reference(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping, k_scale, v_scale)

@@ -1,6 +1,8 @@
-"""FP8 (e4m3) activation quantization, scaled matmul, and the norm/activation ops fused with it.
+"""FP8 (e4m3) quantization: weights, activations, scaled matmuls, and the norm/activation ops fused with them.
 
-Activations are quantized dynamically per token: each row gets the scale amax / 448.
+Activations are quantized dynamically per token (each row gets the scale amax / 448), or
+statically with one calibrated scale. Weights carry one scale per tensor, per output
+channel, or per block (DeepSeek-V3's 128x128). In every scheme a value is `q * scale`.
 The fused ops' references are the unfused compositions, so a fusion pass changes the
 kernels that run, never the function computed.
 """
@@ -48,6 +50,32 @@ def _(x_q, x_scale, w_q, w_scale, bias, out_dtype):
     return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op("atom::scaled_mm_blockwise", mutates_args=())
+def scaled_mm_blockwise(
+    x_q: Tensor,
+    x_scale: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    block_n: int,
+    block_k: int,
+) -> Tensor:
+    """(x_q * x_scale) @ dequant(w_q)^T + bias with w_scale [cdiv(out, block_n), cdiv(in, block_k)].
+
+    x_scale is per token ([..., 1]): the fused norm/activation quantizers produce it, and
+    e4m3's exponent keeps small values of a row precise next to its largest one.
+    """
+    return implementation("scaled_mm_blockwise", x_q.device)(
+        x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k
+    )
+
+
+@scaled_mm_blockwise.register_fake
+def _(x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k):
+    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+
 @torch.library.custom_op("atom::rms_norm_quant_fp8", mutates_args=())
 def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return implementation("rms_norm_quant_fp8", x.device)(x, weight, eps)
@@ -90,8 +118,16 @@ def quant_fp8_per_token_reference(x: Tensor) -> tuple[Tensor, Tensor]:
 
 @register_impl("scaled_mm", "torch")
 def scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
-    x = x_q.float() * x_scale
-    w = w_q.float() * w_scale.reshape(-1, 1) if w_scale.numel() > 1 else w_q.float() * w_scale
+    return _dequantized_matmul(x_q.float() * x_scale, dequantize_weight(w_q, w_scale), bias, out_dtype)
+
+
+@register_impl("scaled_mm_blockwise", "torch")
+def scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k) -> Tensor:
+    w = dequantize_weight(w_q, w_scale, (block_n, block_k))
+    return _dequantized_matmul(x_q.float() * x_scale, w, bias, out_dtype)
+
+
+def _dequantized_matmul(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     out = x @ w.t()
     if bias is not None:
         out = out + bias.float()
@@ -114,8 +150,59 @@ def silu_and_mul_quant_fp8_reference(x):
     return quant_fp8_per_token_reference(silu_and_mul_reference(x))
 
 
+def quantize_fp8_static(x: Tensor, scale: Tensor) -> Tensor:
+    """x / scale in e4m3 with a calibrated per-tensor scale; plain torch ops, so Inductor fuses it."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _to_fp8(w: Tensor, scale: Tensor) -> Tensor:
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight_per_tensor(w: Tensor) -> tuple[Tensor, Tensor]:
+    """[out, in] float weight -> (fp8 weight, fp32 scale [1])."""
+    wf = w.float()
+    scale = (wf.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1)
+    return _to_fp8(wf, scale), scale
+
+
 def quantize_weight_per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
     """[out, in] float weight -> (fp8 weight, fp32 scale [out, 1]); one scale per output row."""
     wf = w.float()
     scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return _to_fp8(wf, scale), scale
+
+
+def quantize_weight_blockwise(w: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """[out, in] float weight -> (fp8 weight, fp32 scale [cdiv(out, bn), cdiv(in, bk)]); edge blocks may be partial."""
+    bn, bk = block
+    rows, cols = w.shape
+    padded = w.float().new_zeros(-(-rows // bn) * bn, -(-cols // bk) * bk)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))  # [row blocks, bn, col blocks, bk]
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    return _to_fp8(w.float(), expand_block_scale(scale, block, (rows, cols))), scale
+
+
+def quantize_weight(w: Tensor, scheme: str, block: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """(fp8 weight, scale) of a float [out, in] weight: scheme per_tensor, per_channel, or block (with `block`)."""
+    if scheme == "block":
+        return quantize_weight_blockwise(w, block)
+    if scheme == "per_channel":
+        return quantize_weight_per_channel(w)
+    if scheme == "per_tensor":
+        return quantize_weight_per_tensor(w)
+    raise ValueError(f"unknown weight quantization scheme {scheme!r}")
+
+
+def expand_block_scale(scale: Tensor, block: tuple[int, int], shape: tuple[int, int]) -> Tensor:
+    """A block scale [cdiv(out, bn), cdiv(in, bk)] repeated over every element of its block."""
+    bn, bk = block
+    return scale.repeat_interleave(bn, dim=0)[: shape[0]].repeat_interleave(bk, dim=1)[:, : shape[1]]
+
+
+def dequantize_weight(w_q: Tensor, scale: Tensor, block: tuple[int, int] | None = None) -> Tensor:
+    """The fp32 weight an fp8 weight stands for: scale [1] or [out, 1], or a block scale with `block`."""
+    if block is not None:
+        return w_q.float() * expand_block_scale(scale, block, tuple(w_q.shape))
+    return w_q.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)

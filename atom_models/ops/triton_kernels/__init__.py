@@ -10,4 +10,4 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the triton ops backend needs the 'triton' package") from exc
 
-from atom_models.ops.triton_kernels import activation, attention, norm, quant, rotary_cache  # noqa: F401, E402
+from atom_models.ops.triton_kernels import activation, attention, gemm, norm, quant, rotary_cache  # noqa: F401, E402

@@ -4,7 +4,8 @@ One kernel serves four ops, chosen by constexpr flags: `rotary_embedding` (rotat
 `reshape_and_cache` (k and v into the paged cache), `rope_and_cache` (rotate, then cache k
 and v) and `qk_norm_rope_and_cache` (per-head RMSNorm first). Fused, q/k/v are read once
 and the rotated k never round-trips through memory. Inputs may be strided views (slices of
-a fused qkv projection); only the last dimension must be contiguous.
+a fused qkv projection); only the last dimension must be contiguous. An FP8 cache gets
+k / k_scale and v / v_scale saturated to e4m3 (see `atom_models.ops.attention`).
 
 Every head is handled as two halves [heads, head_dim / 2], as neox-style rotation pairs
 element i with element i + head_dim / 2. Roundings follow the reference: cos/sin and each
@@ -19,7 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import tl_dtype
+from atom_models.ops.quant import FP8_DTYPE
+from atom_models.ops.triton_kernels.common import FP8_MAX_C, tl_dtype
 
 
 @triton.jit
@@ -34,6 +36,16 @@ def _store_halves(row_ptr, x1, x2, heads, cols, mask, stride_h, HALF: tl.constex
     dtype = row_ptr.dtype.element_ty
     tl.store(ptrs, x1.to(dtype), mask=mask)
     tl.store(ptrs + HALF, x2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _to_fp8_range(x1, x2, scale_ptr, HAS_SCALE: tl.constexpr):
+    """Both halves divided by the cache's scale (when given) and saturated to e4m3's range."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr)
+        x1 = x1 / scale
+        x2 = x2 / scale
+    return tl.clamp(x1, -FP8_MAX_C, FP8_MAX_C), tl.clamp(x2, -FP8_MAX_C, FP8_MAX_C)
 
 
 @triton.jit
@@ -73,6 +85,8 @@ def _rope_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -101,6 +115,8 @@ def _rope_cache_kernel(
     QK_NORM: tl.constexpr,
     K_OUT: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, HALF_P)
@@ -127,8 +143,11 @@ def _rope_cache_kernel(
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
-            _store_halves(k_cache_ptr + offset, k1, k2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
             v1, v2 = _load_halves(v_ptr + t * stride_vt, kv_heads, cols, kv_mask, stride_vh, HALF)
+            if FP8_CACHE:
+                k1, k2 = _to_fp8_range(k1, k2, k_scale_ptr, HAS_SCALES)
+                v1, v2 = _to_fp8_range(v1, v2, v_scale_ptr, HAS_SCALES)
+            _store_halves(k_cache_ptr + offset, k1, k2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
             _store_halves(v_cache_ptr + offset, v1, v2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
 
 
@@ -147,6 +166,7 @@ def _rope_cache(
     kv_cache: Tensor | None,
     slot_mapping: Tensor | None,
     k_out: bool,
+    kv_scales: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> tuple[Tensor | None, Tensor | None]:
     """Launch the fused kernel; q is rotated when given. Returns (rotated q, rotated k if k_out)."""
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -163,6 +183,9 @@ def _rope_cache(
     unused = k  # stands in for pointer arguments that the kernel's flags leave unread
     caches = (kv_cache[0], kv_cache[1]) if kv_cache is not None else (unused, unused)
     q_w, k_w = norm_weights if norm_weights is not None else (unused, unused)
+    fp8_cache = kv_cache is not None and kv_cache.dtype == FP8_DTYPE
+    has_scales = fp8_cache and kv_scales[0] is not None
+    k_scale, v_scale = kv_scales if has_scales else (unused, unused)
     heads_q = q.shape[1]
     if num_tokens:
         _rope_cache_kernel[(num_tokens,)](
@@ -178,6 +201,8 @@ def _rope_cache(
             caches[0],
             caches[1],
             slot_mapping if kv_cache is not None else unused,
+            k_scale,
+            v_scale,
             q.stride(0),
             q.stride(1),
             k.stride(0),
@@ -206,6 +231,8 @@ def _rope_cache(
             QK_NORM=norm_weights is not None,
             K_OUT=k_out,
             WRITE_CACHE=kv_cache is not None,
+            FP8_CACHE=fp8_cache,
+            HAS_SCALES=has_scales,
             num_warps=4,
         )
     return q_out, k_rot
@@ -217,15 +244,33 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Ten
 
 
 @register_impl("reshape_and_cache", "triton")
-def reshape_and_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    _rope_cache(None, None, k, v, None, None, 0.0, kv_cache, slot_mapping, k_out=False)
+def reshape_and_cache(
+    k: Tensor,
+    v: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    _rope_cache(None, None, k, v, None, None, 0.0, kv_cache, slot_mapping, False, (k_scale, v_scale))
 
 
 @register_impl("rope_and_cache", "triton")
 def rope_and_cache(
-    positions: Tensor, q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor, kv_cache: Tensor, slot_mapping: Tensor
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos_sin_cache: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    return _rope_cache(positions, q, k, v, cos_sin_cache, None, 0.0, kv_cache, slot_mapping, k_out=False)[0]
+    q_out, _ = _rope_cache(
+        positions, q, k, v, cos_sin_cache, None, 0.0, kv_cache, slot_mapping, False, (k_scale, v_scale)
+    )
+    return q_out
 
 
 @register_impl("qk_norm_rope_and_cache", "triton")
@@ -240,7 +285,11 @@ def qk_norm_rope_and_cache(
     cos_sin_cache: Tensor,
     kv_cache: Tensor,
     slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    return _rope_cache(
-        positions, q, k, v, cos_sin_cache, (q_norm_weight, k_norm_weight), eps, kv_cache, slot_mapping, k_out=False
-    )[0]
+    norms = (q_norm_weight, k_norm_weight)
+    q_out, _ = _rope_cache(
+        positions, q, k, v, cos_sin_cache, norms, eps, kv_cache, slot_mapping, False, (k_scale, v_scale)
+    )
+    return q_out

@@ -1,0 +1,214 @@
+"""FP8 scaled matmuls on CUDA: `scaled_mm` through cuBLASLt, `scaled_mm_blockwise` through a Triton GEMM.
+
+`scaled_mm` (per-tensor or per-row scales on both sides) calls `torch._scaled_mm`: one scale
+on each side is cuBLASLt's tensor-wise mode, anything per row its row-wise mode (activation
+scales [M, 1], weight scales [1, N]; bf16 output). Shapes cuBLASLt rejects (K or N not a
+multiple of 16) take the Triton kernel, which covers those scales too.
+
+`scaled_mm_blockwise` has one weight scale per (bn, bk) block; cuBLASLt rejects block scales
+(torch 2.11 on H100), so it runs the Triton kernel below. The kernel streams [BLOCK_K] slices of
+x and w through fp8 `tl.dot` (native on Hopper) with fp32 accumulation; a weight scale that
+changes along K (block scales) multiplies each slice's partial product, one that does not
+(per tensor, per channel) and the per-token activation scale multiply once at the end.
+
+Decode (M of 1 to 64) is bandwidth-bound: the tile heuristic in `default_config` picks the
+widest N tile that still gives every multiprocessor a program, so the weight streams at full
+bandwidth; `benchmarks/bench_fp8.py --sweep` measures the alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from atom_models.ops.backend import register_impl
+from atom_models.ops.triton_kernels.common import as_rows
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch parameters of `_scaled_mm_kernel` (block_k must divide the scale block's k)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter
+
+
+def default_config(m: int, n: int, k: int, scale_k: int, device: torch.device) -> GemmConfig:
+    """Small M: short tiles and the widest N tile that still fills the GPU; large M: 128x128 tiles.
+
+    K tiles of 128, or the largest power of two dividing a smaller K scale block.
+    """
+    block_k = 128 if scale_k >= k else min(128, scale_k & -scale_k)
+    if m > 64:
+        return GemmConfig(128, 128, block_k, 8, 8, 3)
+    block_m = max(16, triton.next_power_of_2(m))
+    programs_wanted = _multiprocessors(device)
+    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) >= programs_wanted), 32)
+    return GemmConfig(block_m, block_n, block_k, 8, 4, 4)
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_wsk,
+    stride_om,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_ALONG_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """out[m, n] = xs[m] * sum_k x[m, k] w[n, k] ws[n // SCALE_N, k // SCALE_K] (+ bias[n])."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share each weight tile while it is in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_wsn
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if SCALE_ALONG_K:
+            ws = tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)
+            acc += tl.dot(x, w) * ws[None, :]
+        else:
+            acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not SCALE_ALONG_K:
+        acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
+    acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def run_scaled_mm(
+    x_q: Tensor,
+    x_scale: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    scale_block: tuple[int, int],
+    config: GemmConfig | None = None,
+) -> Tensor:
+    """The Triton GEMM. x_scale: [..., 1] per token or [1]; w_scale: [cdiv(N, sn), cdiv(K, sk)] for
+    scale_block (sn, sk), where sk >= K means one scale along K (per channel: (1, K); per tensor: [1])."""
+    x = as_rows(x_q)
+    (m, k), n = x.shape, w_q.shape[0]
+    if w_q.stride(1) != 1:
+        w_q = w_q.contiguous()
+    scale_n, scale_k = scale_block
+    config = config or default_config(m, n, k, scale_k, x.device)
+    along_k = scale_k < k
+    if along_k and scale_k % config.block_k:
+        raise ValueError(f"block_k {config.block_k} must divide the weight scale block's {scale_k} columns")
+    ws = w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+        _scaled_mm_kernel[grid](
+            x,
+            x_scale,
+            w_q,
+            ws,
+            bias if bias is not None else ws,
+            out,
+            m,
+            n,
+            k,
+            x.stride(0),
+            1 if x_scale.numel() > 1 else 0,
+            w_q.stride(0),
+            ws.stride(0) if ws.shape[0] > 1 else 0,
+            ws.stride(1) if ws.shape[1] > 1 else 0,
+            out.stride(0),
+            SCALE_N=scale_n,
+            SCALE_K=scale_k if along_k else config.block_k,
+            SCALE_ALONG_K=along_k,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            GROUP_M=config.group_m,
+            NUM_STAGES=config.num_stages,
+            num_warps=config.num_warps,
+        )
+    return out.reshape(*x_q.shape[:-1], n)
+
+
+@register_impl("scaled_mm_blockwise", "triton")
+def scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k) -> Tensor:
+    return run_scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype, (block_n, block_k))
+
+
+def cublas_scaled_mm(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`torch._scaled_mm` on 2-D x_q [M, K]: tensor-wise when both scales are single, else row-wise."""
+    m, n = x_q.shape[0], w_q.shape[0]
+    if x_scale.numel() == 1 and w_scale.numel() == 1:
+        return torch._scaled_mm(
+            x_q, w_q.t(), scale_a=x_scale.reshape(()), scale_b=w_scale.reshape(()), out_dtype=out_dtype
+        )
+    scale_a = x_scale.reshape(-1, 1).expand(m, 1).contiguous()
+    scale_b = w_scale.reshape(1, -1).expand(1, n).contiguous()
+    out = torch._scaled_mm(x_q, w_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+@register_impl("scaled_mm", "triton")
+def scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
+    x = as_rows(x_q)
+    (m, k), n = x.shape, w_q.shape[0]
+    if m == 0 or k % 16 or n % 16 or w_q.stride(1) != 1:
+        return run_scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype, (1, k))
+    out = cublas_scaled_mm(x, x_scale, w_q, w_scale, out_dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x_q.shape[:-1], n)
