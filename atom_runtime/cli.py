@@ -1,9 +1,11 @@
 """`atom-run`: serve a model over HTTP, or generate once from the command line.
 
-    atom-run serve MODEL [--host H] [--port P] [--api-key K] [--served-model-name NAME] [engine flags]
-    atom-run generate MODEL (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--json] [engine flags]
+    atom-run serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name NAME] [engine flags]
+    atom-run generate [MODEL] (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--json] [engine flags]
 
 MODEL is a model directory (or a compiled artifact directory); it goes to `create_engine` as is.
+Without MODEL, the demo model shipped with atom runs, from an artifact exported once and cached
+(`atom_runtime.default_model`); --device, --dtype and --quantization then choose that export.
 Bad input is a one-line error and exit status 2, never a traceback.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import uvloop
 
+from atom_runtime.default_model import DEMO_NAME, default_artifact
 from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
 from atom_runtime.loading import create_engine
 from atom_runtime.sampling_params import SamplingParams
@@ -44,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", type=Path, help="model or artifact directory")
+    serve.add_argument("model", type=Path, nargs="?", help="model or artifact directory (default: the demo model)")
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -62,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
 
     generate = commands.add_parser("generate", help="generate once and print the result")
-    generate.add_argument("model", type=Path, help="model or artifact directory")
+    generate.add_argument("model", type=Path, nargs="?", help="model or artifact directory (default: the demo model)")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-token-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
@@ -80,9 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO if args.command == "serve" else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    if not args.model.exists():
+    if args.model is not None and not args.model.exists():
         parser.error(f"model directory {str(args.model)!r} does not exist")
     try:
+        if args.model is None:
+            args.model = default_artifact(args.device, args.dtype, args.quantization)
+            args.device, args.dtype, args.quantization = "auto", "auto", None  # fixed by that export
+            if args.command == "serve":
+                args.served_model_name = args.served_model_name or DEMO_NAME
         if args.command == "serve":
             run_server(args)
         else:

@@ -155,6 +155,12 @@ def windows_at(stream: torch.Tensor, offsets: torch.Tensor, seq_len: int, device
     return batch[:, :-1], batch[:, 1:]
 
 
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -239,7 +245,7 @@ def train(corpus: Path, out: Path, hyper: Hyper, device: torch.device, time_budg
         "tokens_seen": steps * tokens_per_step,
         "train_seconds": round(train_seconds, 1),
         "tokens_per_s": round(steps * tokens_per_step / train_seconds),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": device_name(device),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
