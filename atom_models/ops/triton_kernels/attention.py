@@ -20,6 +20,9 @@ One launch, because at batch 1 a decode step's KV read takes only a few microsec
 a second launch and its dependency cost. The price: both paths share one register budget, and
 the split counters persist between launches (see `_ticket_counters`).
 
+An FP8 cache is read with its per-tensor scales folded in: k_scale into the softmax scale, v_scale
+into the output (see `atom_models.ops.attention`).
+
 GQA: a program's rows are (token, head) pairs of all query heads that share one KV head, so
 each key/value tile is loaded once per group. Scores and softmax are fp32; probabilities are
 rounded to the activation dtype for the second product, as flash attention does.
@@ -35,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
+from atom_models.ops.quant import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
@@ -241,6 +245,7 @@ def _decode_program(
     seq_len,
     num_splits,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -288,7 +293,7 @@ def _decode_program(
         HEAD_DIM,
     )
     nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale
     if num_splits == 1:
         ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
@@ -348,6 +353,7 @@ def _tile_program(
     num_seqs,
     num_tokens,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -406,7 +412,8 @@ def _tile_program(
                 BLOCK_SIZE,
                 HEAD_DIM,
             )
-            tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            out = acc / l_i[:, None] * v_scale
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt"])
@@ -421,6 +428,8 @@ def _attention_kernel(
     part_out_ptr,
     part_lse_ptr,
     tickets_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_seqs,
     num_tokens,
     num_splits,
@@ -442,10 +451,16 @@ def _attention_kernel(
     DECODE_BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
+    KV_SCALES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
+    if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        v_scale = 1.0
     if pid < num_seqs * num_splits:
         seq = pid // num_splits
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -469,6 +484,7 @@ def _attention_kernel(
                 seq_len,
                 num_splits,
                 qk_scale,
+                v_scale,
                 stride_qt,
                 stride_qh,
                 stride_ot,
@@ -498,6 +514,7 @@ def _attention_kernel(
             num_seqs,
             num_tokens,
             qk_scale,
+            v_scale,
             stride_qt,
             stride_qh,
             stride_ot,
@@ -526,6 +543,8 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     tickets_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_splits,
     qk_scale,
     stride_qt,
@@ -542,6 +561,7 @@ def _decode_kernel(
     DECODE_BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
+    KV_SCALES: tl.constexpr,
 ):
     """A batch of decode tokens only (one query token a sequence, so sequence i's token is token i).
 
@@ -550,6 +570,11 @@ def _decode_kernel(
     """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        v_scale = 1.0
     seq = pid // num_splits
     _decode_program(
         q_ptr,
@@ -568,6 +593,7 @@ def _decode_kernel(
         tl.load(seq_lens_ptr + seq),
         num_splits,
         qk_scale,
+        v_scale,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -615,6 +641,8 @@ def run_paged_attention(
     query_start_loc: Tensor,
     scale: float,
     config: AttentionConfig,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """`paged_attention` with explicit tile sizes (the benchmark sweeps them)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -635,6 +663,8 @@ def run_paged_attention(
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = _ticket_counters(q.device, num_seqs * num_kv_heads)
+    kv_scales = kv_cache.dtype == FP8_DTYPE and k_scale is not None
+    k_scale, v_scale = (k_scale, v_scale) if kv_scales else (tickets, tickets)  # unread without KV_SCALES
     if num_tokens == num_seqs:  # every sequence has one query token (none has zero): decode only
         _decode_kernel[(num_seqs * num_splits, num_kv_heads)](
             q,
@@ -646,6 +676,8 @@ def run_paged_attention(
             part_out,
             part_lse,
             tickets,
+            k_scale,
+            v_scale,
             num_splits,
             scale * LOG2E,
             q.stride(0),
@@ -662,6 +694,7 @@ def run_paged_attention(
             DECODE_BLOCK_N=config.decode_block_n,
             BLOCK_SIZE=block_size,
             SPLITS=MAX_SPLITS,
+            KV_SCALES=kv_scales,
             num_warps=4,
             num_stages=config.num_stages,
         )
@@ -678,6 +711,8 @@ def run_paged_attention(
         part_out,
         part_lse,
         tickets,
+        k_scale,
+        v_scale,
         num_seqs,
         num_tokens,
         num_splits,
@@ -699,6 +734,7 @@ def run_paged_attention(
         DECODE_BLOCK_N=config.decode_block_n,
         BLOCK_SIZE=block_size,
         SPLITS=MAX_SPLITS,
+        KV_SCALES=kv_scales,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -707,6 +743,14 @@ def run_paged_attention(
 
 @register_impl("paged_attention", "triton")
 def paged_attention(
-    q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, scale: float
+    q: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
-    return run_paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, default_config(q.shape[-1]))
+    config = default_config(q.shape[-1])
+    return run_paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, config, k_scale, v_scale)
