@@ -67,8 +67,15 @@ class LlamaAttention(nn.Module):
             bias=bias,
             shard_ids=["q", "k", "v"],
             quant=linear_quant(quant, f"{prefix}.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, quant=linear_quant(quant, f"{prefix}.o_proj"))
+        self.o_proj = Linear(
+            self.q_size,
+            config.hidden_size,
+            bias=bias,
+            quant=linear_quant(quant, f"{prefix}.o_proj"),
+            prefix=f"{prefix}.o_proj",
+        )
         self.rotary_emb = rotary_emb
         kv_cache_scales = quant is not None and quant.kv_cache_scales
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, kv_cache_scales)
@@ -101,8 +108,15 @@ class LlamaMLP(nn.Module):
             bias=bias,
             shard_ids=[0, 1],
             quant=linear_quant(quant, f"{prefix}.gate_up_proj", ("gate_proj", "up_proj")),
+            prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = Linear(size, config.hidden_size, bias=bias, quant=linear_quant(quant, f"{prefix}.down_proj"))
+        self.down_proj = Linear(
+            size,
+            config.hidden_size,
+            bias=bias,
+            quant=linear_quant(quant, f"{prefix}.down_proj"),
+            prefix=f"{prefix}.down_proj",
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(torch.ops.atom.silu_and_mul(self.gate_up_proj(x)))

@@ -52,8 +52,11 @@ class Linear(nn.Module):
         bias: bool = False,
         shard_ids: Sequence[str | int] | None = None,
         quant: LayerQuantConfig | None = None,
+        prefix: str = "",
     ):
+        """`prefix`: the layer's name in the model, for error messages."""
         super().__init__()
+        self.prefix = prefix
         self.in_features = in_features
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.out_features = sum(self.output_sizes)
@@ -82,8 +85,8 @@ class Linear(nn.Module):
             bn, bk = spec.block_size
             if any(size % bn for size in self.output_sizes[:-1]):
                 raise ValueError(
-                    f"packed output sizes {self.output_sizes} do not start on {bn}-row weight blocks: "
-                    "block-quantized shards must be whole blocks"
+                    f"{self.prefix or 'a packed linear layer'}: output sizes {self.output_sizes} do not start on "
+                    f"{bn}-row weight blocks; block-quantized shards must be whole blocks"
                 )
             return -(-out // bn), -(-self.in_features // bk)
         if spec.weights == "per_channel" or packed:

@@ -1,0 +1,249 @@
+"""FP8 numerics: quantize/dequantize error bounds, the scaled-matmul kernels and the FP8 KV cache against
+their references.
+
+Kernels run under Triton's interpreter on CPU (tests/conftest.py) on small inputs, with fp32
+activations (the interpreter multiplies bf16 `tl.dot` operands wrongly) and torch's fp32 -> fp8
+rounding (`exact_fp8_casts_in_interpreter`); the GPU-only cases add real sizes and cuBLASLt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_models.ops.attention import (
+    paged_attention_reference,
+    qk_norm_rope_and_cache_reference,
+    reshape_and_cache_reference,
+    rope_and_cache_reference,
+)
+from atom_models.ops.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    quant_fp8_per_token_reference,
+    quantize_fp8_static,
+    quantize_weight,
+    scaled_mm_blockwise_reference,
+    scaled_mm_reference,
+)
+
+triton = pytest.importorskip("triton")
+from atom_models.ops.triton_kernels import attention, gemm, rotary_cache  # noqa: E402
+from tests.test_triton_kernels import (  # noqa: E402, F401  (the fixture applies to this module too)
+    ATTN_TOL,
+    CUDA,
+    DEVICE,
+    DTYPE,
+    MIXED,
+    assert_close,
+    attention_batch,
+    exact_fp8_casts_in_interpreter,
+    fused_qkv,
+    kv_cache_and_slots,
+    randn,
+    rope_table,
+)
+
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+# e4m3 keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself; below 2^-6 (subnormal)
+# the spacing is 2^-9, so the error is at most 2^-10 of the scale.
+FP8_REL, FP8_SUBNORMAL = 2.0**-4, 2.0**-10
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+def assert_fp8_bound(x: torch.Tensor, dequantized: torch.Tensor, scale: torch.Tensor) -> None:
+    """Every element within e4m3's rounding bound of the original, given its scale."""
+    bound = torch.maximum(x.abs() * FP8_REL, scale * FP8_SUBNORMAL) * (1 + 1e-6)
+    excess = ((x - dequantized).abs() - bound).max().item()
+    assert excess <= 0, f"an element is {excess:.3g} beyond the fp8 rounding bound"
+
+
+@pytest.mark.parametrize("scheme,block", [("per_tensor", None), ("per_channel", None), ("block", (128, 128))])
+@pytest.mark.parametrize("shape", [(300, 200), (64, 128), (1, 7)])
+def test_weight_round_trip(scheme, block, shape):
+    w = torch.randn(shape) * torch.logspace(-3, 1, shape[1])  # columns of very different magnitudes
+    w_q, scale = quantize_weight(w, scheme, block)
+    assert w_q.dtype == FP8_DTYPE and scale.dtype == torch.float32
+    expected_scale = {"per_tensor": (1,), "per_channel": (shape[0], 1)}.get(scheme)
+    if block:
+        expected_scale = (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert tuple(scale.shape) == expected_scale
+    dequantized = dequantize_weight(w_q, scale, block)
+    if block:
+        per_element = scale.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
+    else:
+        per_element = scale.expand_as(w) if scale.numel() > 1 else scale
+    assert_fp8_bound(w, dequantized, per_element)
+    assert w_q.float().abs().max() <= FP8_MAX
+    # the largest element of each scale group lands on ±448 exactly
+    assert (w_q.float().abs() == FP8_MAX).any()
+
+
+def test_activation_round_trips():
+    x = torch.randn(9, 77) * 5
+    x[3] = 0.0  # a zero row quantizes to zeros (the scale has a floor)
+    q, scale = quant_fp8_per_token_reference(x)
+    assert_fp8_bound(x, q.float() * scale, scale)
+    assert torch.equal(q[3].float(), torch.zeros(77))
+    static_scale = torch.tensor([x.abs().max().item() / 100.0])  # calibrated on a smaller range: saturates
+    dequantized = quantize_fp8_static(x, static_scale).float() * static_scale
+    inside = x.abs() <= FP8_MAX * static_scale
+    assert_fp8_bound(x[inside], dequantized[inside], static_scale)
+    assert torch.equal(dequantized[~inside].abs(), (FP8_MAX * static_scale).expand_as(x)[~inside])
+
+
+def test_scaled_matmul_references_against_float():
+    x, w = torch.randn(5, 300), torch.randn(200, 300)
+    expected = x @ w.t()
+    x_q, x_scale = quant_fp8_per_token_reference(x)
+    for scheme, block in [("per_tensor", None), ("per_channel", None), ("block", (128, 128))]:
+        w_q, w_scale = quantize_weight(w, scheme, block)
+        if block:
+            out = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, None, torch.float32, *block)
+        else:
+            out = scaled_mm_reference(x_q, x_scale, w_q, w_scale, None, torch.float32)
+        # two operands each within 2^-4 (about 2.5% rms for random values): a few percent
+        assert ((out - expected).norm() / expected.norm()).item() < 0.06
+
+
+def gemm_inputs(m: int, n: int, k: int, scheme: str, block, static: bool = False):
+    x, w = randn(m, k, dtype=torch.float32, scale=3.0), torch.randn(n, k, device=DEVICE)
+    if static:
+        x_scale = torch.tensor([x.abs().max().item() / FP8_MAX], device=DEVICE)
+        x_q = quantize_fp8_static(x, x_scale)
+    else:
+        x_q, x_scale = quant_fp8_per_token_reference(x)
+    w_q, w_scale = quantize_weight(w, scheme, block)
+    return x_q, x_scale, w_q, w_scale, randn(n)
+
+
+# (m, n, k): decode and prefill rows, N and K not multiples of the 128 block (partial edge blocks)
+GEMM_SHAPES = [(1, 200, 300), (5, 136, 256), (33, 64, 130)] + ([(64, 14336, 4096), (300, 4096, 1000)] if CUDA else [])
+
+
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_triton_blockwise_gemm(m, n, k):
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, "block", (128, 128))
+    out = gemm.scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)
+    ref = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("scheme,static", [("per_channel", False), ("per_tensor", True), ("per_channel", True)])
+@pytest.mark.parametrize("m,n,k", [(3, 40, 72), (17, 24, 33)])
+def test_triton_gemm_with_row_and_tensor_scales(m, n, k, scheme, static):
+    """The Triton kernel also covers scaled_mm's scales (cuBLASLt's fallback for odd shapes)."""
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, None, static)
+    out = gemm.run_scaled_mm(x_q, x_scale, w_q, w_scale, bias, DTYPE, (1, k))
+    assert_close(out, scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE))
+
+
+def test_triton_gemm_small_k_blocks():
+    """Scale blocks narrower than a K tile: the tile shrinks to the block."""
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(4, 48, 96, "block", (16, 32))
+    config = gemm.default_config(4, 48, 96, 32, torch.device(DEVICE))
+    assert config.block_k == 32
+    out = gemm.run_scaled_mm(x_q, x_scale, w_q, w_scale, bias, DTYPE, (16, 32))
+    assert_close(out, scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 16, 32))
+
+
+@gpu_only
+@pytest.mark.parametrize("scheme,static", [("per_tensor", True), ("per_channel", False), ("per_tensor", False)])
+@pytest.mark.parametrize("m,n,k", [(1, 14336, 4096), (16, 4096, 14336), (200, 6144, 4096)])
+def test_cublas_scaled_mm(m, n, k, scheme, static):
+    """torch._scaled_mm: tensor-wise (static x, per-tensor w) or row-wise (anything per row)."""
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, None, static)
+    out = gemm.scaled_mm(x_q, x_scale, w_q, w_scale, bias, torch.bfloat16)
+    assert_close(out, scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, torch.bfloat16))
+
+
+@gpu_only
+def test_cublas_scaled_mm_packed_per_tensor_rows():
+    """A packed layer's per-shard scales on its rows: row-wise even though each shard is per tensor."""
+    x_q, x_scale, w_q, _, _ = gemm_inputs(8, 3072, 4096, "per_tensor", None)
+    w_scale = torch.cat([torch.full((1024, 1), s, device=DEVICE) for s in (0.01, 0.02, 0.03)])
+    out = gemm.scaled_mm(x_q, x_scale, w_q, w_scale, None, torch.bfloat16)
+    assert_close(out, scaled_mm_reference(x_q, x_scale, w_q, w_scale, None, torch.bfloat16))
+
+
+# ---- FP8 KV cache ---------------------------------------------------------------------------
+
+
+def kv_scales(k_scale: float = 0.05, v_scale: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([k_scale], device=DEVICE), torch.tensor([v_scale], device=DEVICE)
+
+
+def test_cache_round_trip_with_scales():
+    """The reference write then read gives back k and v within fp8 rounding, saturating past 448 * scale."""
+    k, v = randn(6, 2, 16, dtype=torch.float32), randn(6, 2, 16, dtype=torch.float32)
+    k[0, 0, 0] = 100.0  # beyond 448 * k_scale
+    cache = torch.zeros(2, 2, 4, 2, 16, dtype=FP8_DTYPE, device=DEVICE)
+    slots = torch.arange(6, device=DEVICE)
+    k_scale, v_scale = kv_scales()
+    reshape_and_cache_reference(k, v, cache, slots, k_scale, v_scale)
+    flat = cache.view(2, -1, 2, 16)[:, :6].float()
+    assert flat[0, 0, 0, 0] == FP8_MAX
+    k_back, v_back = flat[0] * k_scale, flat[1] * v_scale
+    k[0, 0, 0] = FP8_MAX * k_scale
+    assert_fp8_bound(k, k_back, k_scale)
+    assert_fp8_bound(v, v_back, v_scale)
+
+
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(7, 4, 2, 16), (6, 8, 2, 12)])
+def test_cache_writes_quantize_with_scales(tokens, q_heads, kv_heads, head_dim):
+    q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    table = rope_table(head_dim)
+    positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
+    scales = kv_scales(0.01, 0.004)  # small scales: values land near the top of e4m3's range
+    q_w, k_w = randn(head_dim), randn(head_dim)
+    writes = [
+        (rotary_cache.reshape_and_cache, reshape_and_cache_reference, (k, v)),
+        (rotary_cache.rope_and_cache, rope_and_cache_reference, (positions, q, k, v, table)),
+        (
+            rotary_cache.qk_norm_rope_and_cache,
+            qk_norm_rope_and_cache_reference,
+            (positions, q, k, v, q_w, k_w, 1e-6, table),
+        ),
+    ]
+    for kernel, reference, args in writes:
+        cache, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 4, FP8_DTYPE)
+        expected = cache.clone()
+        out = kernel(*args, cache, slots, *scales)
+        ref = reference(*args, expected, slots, *scales)
+        if out is not None:
+            assert_close(out, ref)
+        # rounding ties may fall differently: compare what the caches stand for
+        assert_close(cache.float() * 0.01, expected.float() * 0.01)
+        assert (cache.float().abs() > 64).any(), "the scales should spread values over e4m3's range"
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(4, 2, 32, 16), (8, 2, 16, 4)])
+def test_attention_reads_scaled_fp8_cache(q_heads, kv_heads, head_dim, block_size):
+    q, cache, tables, seq_lens, qsl = attention_batch(MIXED, q_heads, kv_heads, head_dim, block_size, 3, FP8_DTYPE)
+    k_scale, v_scale = kv_scales(0.3, 3.0)
+    out = attention.paged_attention(q, cache, tables, seq_lens, qsl, head_dim**-0.5, k_scale, v_scale)
+    ref = paged_attention_reference(q, cache, tables, seq_lens, qsl, head_dim**-0.5, k_scale, v_scale)
+    assert_close(out, ref, ATTN_TOL)
+    unscaled = paged_attention_reference(q, cache, tables, seq_lens, qsl, head_dim**-0.5)
+    assert not torch.allclose(ref, unscaled), "the scales must change the result"
+
+
+def test_scales_ignored_by_unquantized_cache():
+    q, cache, tables, seq_lens, qsl = attention_batch([(3, 9), (1, 5)], 4, 2, 16, 4, 0, DTYPE)
+    k_scale, v_scale = kv_scales()
+    out = attention.paged_attention(q, cache, tables, seq_lens, qsl, 0.25, k_scale, v_scale)
+    assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 0.25), ATTN_TOL)
+
+
+@gpu_only
+def test_attention_fp8_cache_gpu_shapes():
+    lens = [(200, 700), (1, 2049), (1, 64), (64, 64)]
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, 32, 8, 128, 16, 2, FP8_DTYPE)
+    k_scale, v_scale = kv_scales(0.5, 2.0)
+    out = attention.paged_attention(q, cache, tables, seq_lens, qsl, 128**-0.5, k_scale, v_scale)
+    assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 128**-0.5, k_scale, v_scale), ATTN_TOL)
