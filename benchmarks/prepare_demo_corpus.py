@@ -9,6 +9,7 @@ the split depends on nothing but the file names. Writes
     OUT/train.txt, valid.txt, heldout.txt   pages (~97%, ~1%, ~2%), separated by the end-of-text token
     OUT/chat.txt                            ChatML exchanges drawn from the training pages (see `MainText`)
     OUT/corpus.json                         package, version, .deb checksum, licence, the held-out pages
+    OUT/LICENSE-PSF.txt                     the licence texts, copied from the package, to ship with the model
 
 The Python documentation is under the PSF License Version 2 (its code examples also under the
 Zero-Clause BSD licence): it allows preparing and distributing derivative works, here a model
@@ -173,6 +174,19 @@ def chat_document(question: str, answer: str) -> str:
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
 
 
+def licence_text(root: Path) -> str:
+    """The PSF License Agreement and the Zero-Clause BSD licence, as the package's licence page states them."""
+    source = (root / "_sources/license.rst.txt").read_text(encoding="utf-8").replace("|release|", "3.11")
+    sections = [
+        ("PSF LICENSE AGREEMENT FOR PYTHON", "BEOPEN.COM LICENSE AGREEMENT"),
+        ("ZERO-CLAUSE BSD LICENSE FOR CODE", ".. _OtherLicenses:"),
+    ]
+    parts = [
+        source[source.index(start) : source.index(end)].replace(".. parsed-literal::\n", "") for start, end in sections
+    ]
+    return "\n".join(part.strip() + "\n" for part in parts)
+
+
 def fetch_package(work: Path) -> Path:
     """The pinned .deb, downloaded once and checked against its recorded checksum, unpacked."""
     work.mkdir(parents=True, exist_ok=True)
@@ -224,6 +238,7 @@ def main() -> None:
         "heldout_pages": pages["heldout"],
     }
     (args.out / "corpus.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / "LICENSE-PSF.txt").write_text(licence_text(root), encoding="utf-8")
     print(json.dumps(summary, indent=2))
 
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import platform
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -255,6 +256,7 @@ def train(corpus: Path, out: Path, hyper: Hyper, device: torch.device, time_budg
         "total_seconds": round(time.perf_counter() - started, 1),
     }
     save(model.to(torch.float32), tokenizer, out, training)
+    shutil.copy(corpus / "LICENSE-PSF.txt", out)  # the corpus's licence travels with the model
     log(f"saved step {best['step']} (valid loss {best['valid_loss']:.4f}) to {out}")
     return training
 
@@ -303,14 +305,16 @@ the test bed for numerics (HF vs atom greedy tokens, quantization accuracy).
   never seen in training). A page's split is chosen by a hash of its path. Training also sees
   {corpus["chat_documents"]:,} ChatML exchanges drawn from the training pages: "What does X do?" answered
   by the first paragraph documenting X (glossary terms likewise).
-- Licence: {corpus["license"]}. The PSF License Version 2 grants a licence to "prepare derivative
-  works, distribute, and otherwise use" the documentation provided the PSF's copyright notice is kept:
-  Copyright © 2001-2023 Python Software Foundation; All Rights Reserved. The model weights are
-  distributed with atom under that notice.
+- Licence: {corpus["license"]}. The PSF License Agreement grants a licence to "prepare derivative
+  works, distribute, and otherwise use" Python and its documentation, provided the agreement and the
+  PSF's copyright notice are retained: "Copyright © 2001-2023 Python Software Foundation; All Rights
+  Reserved". Both licence texts are in `LICENSE-PSF.txt` beside this file. Summary of changes (the
+  agreement's clause 3): the documentation's HTML pages were reduced to plain text and used only as
+  training data for these weights, which can reproduce passages of it.
 
 ## Training
 
-`benchmarks/train_demo_model.py` (plain PyTorch: AdamW, warm-up then cosine decay, bf16 autocast),
+`benchmarks/train_demo_model.py` (plain PyTorch: AdamW, warm-up then cosine decay, bf16 autocast on CUDA),
 {hyper["steps"]} steps of {hyper["batch_size"]} × {hyper["seq_len"]} tokens ({training["tokens_seen"]:,} tokens,
 {training["tokens_seen"] / training["train_stream_tokens"]:.1f} passes over {training["train_stream_tokens"]:,} training
 tokens) in {training["train_seconds"]} s on {training["device"]} ({training["tokens_per_s"]:,} tokens/s);
