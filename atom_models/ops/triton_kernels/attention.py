@@ -452,6 +452,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
     KV_SCALES: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -463,8 +464,12 @@ def _attention_kernel(
         v_scale = 1.0
     if pid < num_seqs * num_splits:
         seq = pid // num_splits
-        q_start = tl.load(query_start_loc_ptr + seq)
-        q_end = tl.load(query_start_loc_ptr + seq + 1)
+        if DECODE_ONLY:  # one query token a sequence: sequence i's token is token i
+            q_start = seq
+            q_end = seq + 1
+        else:
+            q_start = tl.load(query_start_loc_ptr + seq)
+            q_end = tl.load(query_start_loc_ptr + seq + 1)
         seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
         if q_end - q_start == 1:
             _decode_program(
@@ -499,7 +504,7 @@ def _attention_kernel(
                 BLOCK_SIZE,
                 SPLITS,
             )
-    else:
+    elif not DECODE_ONLY:
         # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
         _tile_program(
             q_ptr,
@@ -530,84 +535,6 @@ def _attention_kernel(
             BLOCK_N,
             BLOCK_SIZE,
         )
-
-
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _decode_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    tickets_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    num_splits,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_bt,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DECODE_ROWS: tl.constexpr,
-    DECODE_BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    SPLITS: tl.constexpr,
-    KV_SCALES: tl.constexpr,
-):
-    """A batch of decode tokens only (one query token a sequence, so sequence i's token is token i).
-
-    The split-KV programs of `_attention_kernel` without its prefill path: fewer registers, and no
-    search of query_start_loc.
-    """
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    else:
-        v_scale = 1.0
-    seq = pid // num_splits
-    _decode_program(
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        out_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        part_out_ptr,
-        part_lse_ptr,
-        tickets_ptr + seq * tl.num_programs(1) + kv_head,
-        seq,
-        pid % num_splits,
-        kv_head,
-        tl.num_programs(1),
-        seq,
-        tl.load(seq_lens_ptr + seq),
-        num_splits,
-        qk_scale,
-        v_scale,
-        stride_qt,
-        stride_qh,
-        stride_ot,
-        stride_oh,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        GROUP,
-        DECODE_ROWS,
-        HEAD_DIM,
-        DECODE_BLOCK_N,
-        BLOCK_SIZE,
-        SPLITS,
-    )
 
 
 _tickets: dict[torch.device, Tensor] = {}
@@ -664,42 +591,10 @@ def run_paged_attention(
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = _ticket_counters(q.device, num_seqs * num_kv_heads)
     kv_scales = kv_cache.dtype == FP8_DTYPE and k_scale is not None
-    k_scale, v_scale = (k_scale, v_scale) if kv_scales else (tickets, tickets)  # unread without KV_SCALES
-    if num_tokens == num_seqs:  # every sequence has one query token (none has zero): decode only
-        _decode_kernel[(num_seqs * num_splits, num_kv_heads)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            block_tables,
-            seq_lens,
-            part_out,
-            part_lse,
-            tickets,
-            k_scale,
-            v_scale,
-            num_splits,
-            scale * LOG2E,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            block_tables.stride(0),
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            DECODE_ROWS=max(16, group_p),
-            DECODE_BLOCK_N=config.decode_block_n,
-            BLOCK_SIZE=block_size,
-            SPLITS=MAX_SPLITS,
-            KV_SCALES=kv_scales,
-            num_warps=4,
-            num_stages=config.num_stages,
-        )
-        return out
-    num_tiles = triton.cdiv(num_tokens, block_q) + num_seqs
+    # Only decode tokens (one a sequence; the runtime never schedules an empty one): no tile programs,
+    # and a specialisation without the prefill path, which needs far fewer registers.
+    decode_only = num_tokens == num_seqs
+    num_tiles = 0 if decode_only else triton.cdiv(num_tokens, block_q) + num_seqs
     _attention_kernel[(num_seqs * num_splits + num_tiles, num_kv_heads)](
         q,
         k_cache,
@@ -711,8 +606,8 @@ def run_paged_attention(
         part_out,
         part_lse,
         tickets,
-        k_scale,
-        v_scale,
+        k_scale if kv_scales else tickets,
+        v_scale if kv_scales else tickets,
         num_seqs,
         num_tokens,
         num_splits,
@@ -735,6 +630,7 @@ def run_paged_attention(
         BLOCK_SIZE=block_size,
         SPLITS=MAX_SPLITS,
         KV_SCALES=kv_scales,
+        DECODE_ONLY=decode_only,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
