@@ -123,7 +123,7 @@ class QuantizationConfig:
     @classmethod
     def from_dict(cls, data: dict) -> QuantizationConfig:
         """Inverse of `to_dict` (an artifact's manifest)."""
-        layer = lambda d: None if d is None else LayerQuantConfig(**d)  # noqa: E731
+        layer = lambda d: None if d is None else LayerQuantConfig(**d)
         return cls(
             data["method"],
             layer(data["default"]),
@@ -133,7 +133,9 @@ class QuantizationConfig:
         )
 
     @classmethod
-    def resolve(cls, hf_config: PretrainedConfig, quant: QuantizationConfig | dict | str | None):
+    def resolve(
+        cls, hf_config: PretrainedConfig, quant: QuantizationConfig | dict | str | None
+    ) -> QuantizationConfig | None:
         """The config a model is built with.
 
         A checkpoint's own `quantization_config` is always honoured (asking for "fp8" on an
@@ -174,7 +176,7 @@ class QuantizationConfig:
 
     def to_dict(self) -> dict:
         """A JSON-able record (the manifest's `quantization`), readable by `from_dict`."""
-        layer = lambda spec: None if spec is None else asdict(spec)  # noqa: E731
+        layer = lambda spec: None if spec is None else asdict(spec)
         return {
             "method": self.method,
             "default": layer(self.default),
