@@ -222,9 +222,12 @@ def test_cache_writes_quantize_with_scales(tokens, q_heads, kv_heads, head_dim):
         assert (cache.float().abs() > 64).any(), "the scales should spread values over e4m3's range"
 
 
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(4, 2, 32, 16), (8, 2, 16, 4)])
-def test_attention_reads_scaled_fp8_cache(q_heads, kv_heads, head_dim, block_size):
-    q, cache, tables, seq_lens, qsl = attention_batch(MIXED, q_heads, kv_heads, head_dim, block_size, 3, FP8_DTYPE)
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim,block_size,lens,padding",
+    [(4, 2, 32, 16, MIXED, 3), (8, 2, 16, 4, MIXED, 3), (4, 2, 32, 8, [(1, 23), (1, 5), (1, 40)], 0)],  # decode only
+)
+def test_attention_reads_scaled_fp8_cache(q_heads, kv_heads, head_dim, block_size, lens, padding):
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, q_heads, kv_heads, head_dim, block_size, padding, FP8_DTYPE)
     k_scale, v_scale = kv_scales(0.3, 3.0)
     out = attention.paged_attention(q, cache, tables, seq_lens, qsl, head_dim**-0.5, k_scale, v_scale)
     ref = paged_attention_reference(q, cache, tables, seq_lens, qsl, head_dim**-0.5, k_scale, v_scale)

@@ -61,7 +61,7 @@ def default_config(m: int, n: int, k: int, scale_k: int, device: torch.device) -
     return GemmConfig(block_m, block_n, block_k, 8, 4, 4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the token count: one compiled variant per tile config, not per step
 def _scaled_mm_kernel(
     x_ptr,
     xs_ptr,
