@@ -23,6 +23,7 @@ from torch import nn
 from atom_compile.trace import TracedModel, graph_arguments, model_weights
 from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
+from atom_models.ops.quant import FP8_DTYPE
 
 TRITON_CACHE = "triton_cache"
 BLOCK_SIZE = 16  # the runtime's default block size
@@ -39,8 +40,8 @@ def triton_cache_dir() -> Path:
 def warm_steps(max_model_len: int) -> list[list[tuple[int, int]]]:
     """Steps as lists of (context already cached, new tokens) per sequence."""
     decode = [[(40, 1)] * n for n in (1, 3, 16, 17)]
-    prefill = [[(0, n)] for n in (1, 7, 16, 33)]
-    mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)]]
+    prefill = [[(0, n)] for n in (1, 7, 16, 33, 130)]  # past 64 tokens: the GEMMs' larger tile configs
+    mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)], [(0, 100), (20, 1)]]
     return [[(c, n) for c, n in step if c + n <= max_model_len] for step in decode + prefill + mixed]
 
 
@@ -69,22 +70,32 @@ def step_inputs(step: list[tuple[int, int]], max_blocks: int, device: torch.devi
     return torch.zeros(len(positions), **i64), torch.tensor(positions, **i64), meta, torch.tensor(starts[1:], **i64) - 1
 
 
+def kv_cache_dtypes(model: nn.Module, device: torch.device) -> list[torch.dtype]:
+    """The KV-cache dtypes serving may choose: the model's (or bf16), and FP8 where the GPU has it (sm_89+)."""
+    dtypes = [model.lm_head.weight.dtype]
+    if dtypes[0] != torch.bfloat16:
+        dtypes.append(torch.bfloat16)
+    if torch.cuda.get_device_capability(device) >= (8, 9):
+        dtypes.append(FP8_DTYPE)
+    return dtypes
+
+
 @torch.inference_mode()
 def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.Module, max_model_len: int) -> None:
     """Run `forward(*graph inputs)` (the artifact as served) over `warm_steps` into the Triton cache `cache`."""
     config = model.config
     device = next(model.parameters()).device
-    dtype = model.lm_head.weight.dtype
     max_blocks = -(-max_model_len // BLOCK_SIZE)
     kv_shape = (2, 64, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
-    kv_caches = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
     weights = model_weights(model)
     previous = os.environ.get("TRITON_CACHE_DIR")
     os.environ["TRITON_CACHE_DIR"] = str(cache)
     try:
-        for step in warm_steps(max_model_len):
-            input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
-            forward(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
+        for kv_dtype in kv_cache_dtypes(model, device):  # serving picks one with --kv-cache-dtype
+            kv_caches = [torch.zeros(kv_shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
+            for step in warm_steps(max_model_len):
+                input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
+                forward(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
         torch.cuda.synchronize()
     finally:
         if previous is None:
