@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
-# Stages: tests (GPU tests), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
+# Stages: tests (GPU tests), kernel-tests, fp8 (FP8 GEMMs and decode), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
 #         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, export (export time 2 vs 28 layers).
 set -o pipefail
 OUT=${OUT:-/tmp/atom-out}
@@ -13,8 +13,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
-    tests) python3 -m pytest -q -x tests/test_gpu.py tests/test_runner.py tests/test_triton_kernels.py 2>&1 \
+    tests) python3 -m pytest -q tests/test_gpu.py tests/test_runner.py 2>&1 \
              | grep -v Warning | tee "$OUT/tests.log" | tail -25 ;;
+    kernel-tests) python3 -m pytest -q tests/test_triton_kernels.py tests/test_fp8_kernels.py 2>&1 | tail -5 ;;
+    fp8) python3 benchmarks/bench_fp8.py --stages gemm decode --out "$OUT/fp8.json" 2>&1 | grep -v Warning | tail -30 ;;
     kernels) python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400 --profile \
              --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
