@@ -282,12 +282,17 @@ def write_readme(out: Path, training: dict, evaluation: str = "") -> None:
         f"context {hyper['max_position_embeddings']}"
     )
     settings = ", ".join(f"{k}={v}" for k, v in hyper.items())
+    defaults = asdict(Hyper())
+    # The recorded step count replaces --epochs/--time-budget: the same schedule, step for step.
+    flags = [
+        f"--{k.replace('_', '-')} {v}" for k, v in hyper.items() if k == "steps" or (k != "epochs" and v != defaults[k])
+    ]
     text = f"""# atom demo model
 
 A small Llama-architecture language model trained from scratch on the Python 3.11 documentation, shipped
 inside atom so that `atom-run generate --prompt "..."` works with no model download. It writes English
-in the style of the Python docs (and can answer short questions about the documented APIs in ChatML);
-it knows nothing else and is often wrong. It exists to show atom running a real trained model, and as
+in the style of the Python docs and replies in the ChatML chat format; it knows little and is often
+wrong. It exists to show atom running a real trained model, and as
 the test bed for numerics (HF vs atom greedy tokens, quantization accuracy).
 
 - Architecture: `LlamaForCausalLM`, {training["parameters"]:,} parameters ({shape}), fp32 safetensors.
@@ -320,7 +325,8 @@ the test bed for numerics (HF vs atom greedy tokens, quantization accuracy).
 tokens) in {training["train_seconds"]} s on {training["device"]} ({training["tokens_per_s"]:,} tokens/s);
 the step with the lowest validation loss ({training["best_step"]}, perplexity {training["best_valid_perplexity"]})
 is the one shipped. Settings: {settings}. Versions: {", ".join(f"{k} {v}" for k, v in training["versions"].items())}.
-`training.json` holds the loss curve.
+`training.json` holds the loss curve. Reproduce: `python benchmarks/prepare_demo_corpus.py && python
+benchmarks/train_demo_model.py --out DIR {" ".join(flags)}`.
 {evaluation}"""
     (out / "README.md").write_text(text)
 
