@@ -12,6 +12,7 @@ few shapes cover all steps.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -105,5 +106,14 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
 
 
 def install_kernels(cache: Path) -> None:
-    """Copy an artifact's compiled Triton kernels into this process's Triton cache."""
-    shutil.copytree(cache, triton_cache_dir(), dirs_exist_ok=True)
+    """Copy an artifact's compiled Triton kernels into this process's Triton cache.
+
+    Triton's group files list their members by absolute path, which pointed into the export's
+    staging directory: they are rewritten to the members' new home, or Triton misses them.
+    """
+    target = triton_cache_dir()
+    shutil.copytree(cache, target, dirs_exist_ok=True)
+    for group in target.glob("*/__grp__*"):
+        data = json.loads(group.read_text())
+        data["child_paths"] = {name: str(group.parent / Path(path).name) for name, path in data["child_paths"].items()}
+        group.write_text(json.dumps(data))

@@ -1,0 +1,29 @@
+"""Shipped Triton kernels install into the process's Triton cache so that Triton finds them."""
+
+from __future__ import annotations
+
+import json
+
+from atom_compile.graphs.warmup import install_kernels, warm_steps
+
+
+def test_install_rewrites_group_paths(tmp_path, monkeypatch):
+    shipped = tmp_path / "artifact" / "triton_cache" / "KEY"
+    shipped.mkdir(parents=True)
+    (shipped / "kernel.cubin").write_bytes(b"\x00")
+    # Triton records group members by absolute path: here, the export's staging directory, long gone.
+    group_file = shipped / "__grp__kernel.json"
+    group_file.write_text(json.dumps({"child_paths": {"kernel.cubin": "/staging/KEY/kernel.cubin"}}))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    install_kernels(shipped.parent)
+    group = json.loads((tmp_path / "cache" / "KEY" / "__grp__kernel.json").read_text())
+    assert group["child_paths"] == {"kernel.cubin": str(tmp_path / "cache" / "KEY" / "kernel.cubin")}
+    assert "/staging" in group_file.read_text()  # the artifact itself is left as it was (its checksums hold)
+
+
+def test_warm_steps_cover_decode_prefill_and_mixed():
+    steps = warm_steps(max_model_len=4096)
+    assert any(all(n == 1 for _, n in step) and len(step) > 1 for step in steps)  # decode batches
+    assert any(len(step) == 1 and step[0][1] > 64 for step in steps)  # a long prefill
+    assert any({n == 1 for _, n in step} == {True, False} for step in steps)  # mixed
+    assert all(c + n <= 64 for step in warm_steps(max_model_len=64) for c, n in step)
