@@ -198,19 +198,20 @@ def _merge_splits(
     token,
     kv_head,
     num_splits,
+    active,
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """out[token] = the split partials of one sequence's query heads, weighted by their sum-exp.
+    """out[token] = the `active` split partials of one sequence's query heads, weighted by their sum-exp.
 
-    All splits of a head are loaded at once (one round trip a head), bypassing L1: other
-    multiprocessors wrote them during this launch.
+    Partials are laid out `num_splits` a head. All splits of a head are loaded at once (one round
+    trip a head), bypassing L1: other multiprocessors wrote them during this launch.
     """
     splits = tl.arange(0, SPLITS)
-    used = splits < num_splits
+    used = splits < active
     offs_d = tl.arange(0, HEAD_DIM)
     for g in tl.static_range(GROUP):
         part = first_part + g * num_splits + splits
@@ -260,68 +261,77 @@ def _decode_program(
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """One split of one decode token's attention; the last split to finish merges them all."""
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
-    full_end = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
-    g = tl.arange(0, ROWS)
-    head = kv_head * GROUP + g
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=(g < GROUP)[:, None],
-        other=0.0,
-    )
-    q_pos = tl.full([ROWS], 0, tl.int32) + hi - 1
-    acc, l_i, m_i = _attend_context(
-        q,
-        q_pos,
-        k_cache_ptr,
-        v_cache_ptr,
-        table_ptr,
-        kv_head * stride_kh,
-        lo,
-        full_end,
-        hi,
-        qk_scale,
-        stride_kb,
-        stride_ks,
-        ROWS,
-        BLOCK_N,
-        BLOCK_SIZE,
-        HEAD_DIM,
-    )
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale
-    if num_splits == 1:
-        ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
-    else:
-        lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), EMPTY_LSE)
-        first_part = (seq * num_kv_heads + kv_head) * GROUP * num_splits
-        part = first_part + g * num_splits + split
-        tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
-        tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=(g < GROUP)[:, None])
-        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr, 1)
-        if ticket == num_splits - 1:
-            tl.store(ticket_ptr, 0)  # every split has arrived: ready for the next launch
-            _merge_splits(
-                part_out_ptr,
-                part_lse_ptr,
-                out_ptr,
-                first_part,
-                q_start,
-                kv_head,
-                num_splits,
-                stride_ot,
-                stride_oh,
-                GROUP,
-                HEAD_DIM,
-                SPLITS,
+    """One split of one decode token's attention; the last split to finish merges them all.
+
+    A sequence uses only as many of the launched splits as it has key blocks (`active`): a short
+    context is not spread over dozens of nearly empty programs and a merge of all of them.
+    """
+    active = tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+    if split < active:
+        chunk = tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, seq_len)
+        full_end = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
+        g = tl.arange(0, ROWS)
+        head = kv_head * GROUP + g
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(
+            q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=(g < GROUP)[:, None],
+            other=0.0,
+        )
+        q_pos = tl.full([ROWS], 0, tl.int32) + hi - 1
+        acc, l_i, m_i = _attend_context(
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_ptr,
+            kv_head * stride_kh,
+            lo,
+            full_end,
+            hi,
+            qk_scale,
+            stride_kb,
+            stride_ks,
+            ROWS,
+            BLOCK_N,
+            BLOCK_SIZE,
+            HEAD_DIM,
+        )
+        nonempty = l_i > 0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale
+        if active == 1:
+            ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+        else:
+            lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), EMPTY_LSE)
+            first_part = (seq * num_kv_heads + kv_head) * GROUP * num_splits
+            part = first_part + g * num_splits + split
+            tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
+            tl.store(
+                part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=(g < GROUP)[:, None]
             )
+            # Every thread's partial is stored before the ticket (acq_rel) publishes them.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr, 1)
+            if ticket == active - 1:
+                tl.store(ticket_ptr, 0)  # every split has arrived: ready for the next launch
+                _merge_splits(
+                    part_out_ptr,
+                    part_lse_ptr,
+                    out_ptr,
+                    first_part,
+                    q_start,
+                    kv_head,
+                    num_splits,
+                    active,
+                    stride_ot,
+                    stride_oh,
+                    GROUP,
+                    HEAD_DIM,
+                    SPLITS,
+                )
 
 
 @triton.jit
