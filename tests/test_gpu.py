@@ -32,7 +32,10 @@ compiler.ASTSource.make_ir = counting_make_ir
 from atom_runtime import LLM, SamplingParams
 llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8])
 outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled": compiles}}))
+import os, pathlib
+cache = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
+groups = sorted(str(g.relative_to(cache)) for g in cache.glob("*/__grp__*"))
+print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled": compiles, "cache_groups": groups}}))
 """
 
 
@@ -60,8 +63,12 @@ def test_cuda_artifact_serves_without_compiling(which, request, tmp_path, monkey
     run = subprocess.run([sys.executable, str(script), str(artifact)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
+    shipped = sorted(
+        str(g.relative_to(artifact / "triton_cache")) for g in (artifact / "triton_cache").glob("*/__grp__*")
+    )
     assert result["compiled"] == [], (
-        f"Triton compiled kernels while serving: {result['compiled']}\nexport compiled: {exported}"
+        f"Triton compiled kernels while serving: {result['compiled']}\nexport compiled: {exported}\n"
+        f"shipped kernel groups: {shipped}\nserving cache groups: {result['cache_groups']}"
     )
     eager = LLM(checkpoint, device="cuda", enforce_eager=True)
     try:
