@@ -13,9 +13,9 @@ few shapes cover all steps.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,11 +31,32 @@ BLOCK_SIZE = 16  # the runtime's default block size
 
 
 def triton_cache_dir() -> Path:
-    if os.environ.get("TRITON_CACHE_DIR"):
-        return Path(os.environ["TRITON_CACHE_DIR"])
+    """Where Triton reads and writes compiled kernels in this process.
+
+    Triton's own knob, not the environment: it honours TRITON_CACHE_DIR, but an explicit setting
+    made by other code in the process (an override of the knob) wins over the variable.
+    """
     import triton
 
     return Path(triton.knobs.cache.dir)
+
+
+@contextmanager
+def triton_cache_at(path: Path) -> Iterator[None]:
+    """Point Triton's kernel cache at `path` for a while, whatever overrides were in place."""
+    import triton
+
+    knobs = triton.knobs.cache
+    overridden = "dir" in vars(knobs)
+    previous = vars(knobs).get("dir")
+    knobs.dir = str(path)
+    try:
+        yield
+    finally:
+        if overridden:
+            knobs.dir = previous
+        else:
+            del knobs.dir
 
 
 def warm_steps(max_model_len: int) -> list[list[tuple[int, int]]]:
@@ -89,20 +110,13 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
     max_blocks = -(-max_model_len // BLOCK_SIZE)
     kv_shape = (2, 64, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     weights = model_weights(model)
-    previous = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(cache)
-    try:
+    with triton_cache_at(cache):
         for kv_dtype in kv_cache_dtypes(model, device):  # serving picks one with --kv-cache-dtype
             kv_caches = [torch.zeros(kv_shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
             for step in warm_steps(max_model_len):
                 input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
                 forward(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
         torch.cuda.synchronize()
-    finally:
-        if previous is None:
-            del os.environ["TRITON_CACHE_DIR"]
-        else:
-            os.environ["TRITON_CACHE_DIR"] = previous
 
 
 def install_kernels(cache: Path) -> None:
