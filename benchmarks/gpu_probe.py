@@ -38,13 +38,18 @@ def main() -> None:
     atom_compile.export(model, out / "artifact", device="cuda", level=3)
     export_s = time.perf_counter() - started
     eager = LLM(model, device="cuda", enforce_eager=True)
-    expected = [o.outputs[0].token_ids for o in eager.generate(
-        ["Hello there", "x", "The quick brown fox"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    expected = [
+        o.outputs[0].token_ids
+        for o in eager.generate(
+            ["Hello there", "x", "The quick brown fox"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        )
+    ]
     eager.shutdown()
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(out / "ic"), TRITON_CACHE_DIR=str(out / "tc"))
     (out / "child.py").write_text(CHILD)
-    run = subprocess.run([sys.executable, str(out / "child.py"), str(out / "artifact")], env=env,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, str(out / "child.py"), str(out / "artifact")], env=env, capture_output=True, text=True
+    )
     result = {"export_s": export_s, "child_rc": run.returncode, "child_stderr_tail": run.stderr[-2000:]}
     if run.returncode == 0:
         child = json.loads(run.stdout.strip().splitlines()[-1])

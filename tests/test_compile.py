@@ -43,9 +43,23 @@ def test_artifact_matches_eager(which, request):
 
 def test_manifest_records_the_build(llama_artifact):
     manifest = json.loads((llama_artifact / "manifest.json").read_text())
-    for field in ("format_version", "architecture", "model_config", "weights", "dtype", "device",
-                  "device_capability", "torch_version", "triton_version", "atom_version", "ops_backend",
-                  "passes", "max_model_len", "max_num_seqs", "files"):
+    for field in (
+        "format_version",
+        "architecture",
+        "model_config",
+        "weights",
+        "dtype",
+        "device",
+        "device_capability",
+        "torch_version",
+        "triton_version",
+        "atom_version",
+        "ops_backend",
+        "passes",
+        "max_model_len",
+        "max_num_seqs",
+        "files",
+    ):
         assert field in manifest, field
     assert {p["name"]: p["matches"] for p in manifest["passes"]}["rope_cache"] == 2
     compiled = [p for p in manifest["pieces"].values() if p["compiled"]]
@@ -185,8 +199,9 @@ def test_changed_weights_then_rebuild(eager_artifact, tmp_path):
     artifact = shutil.copytree(artifact, tmp_path / "artifact")
     changed = tmp_path / "checkpoint"
     shutil.copytree(checkpoint, changed)
-    edit_manifest(artifact, weights={**json.loads((artifact / "manifest.json").read_text())["weights"],
-                                     "model_dir": str(changed)})
+    edit_manifest(
+        artifact, weights={**json.loads((artifact / "manifest.json").read_text())["weights"], "model_dir": str(changed)}
+    )
     weights = load_file(changed / "model.safetensors")
     weights["model.norm.weight"] = weights["model.norm.weight"] * 2
     save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
@@ -205,11 +220,29 @@ def test_copied_weights_need_no_checkpoint(tiny_llama, tmp_path):
 
 
 def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
-    assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "a"), "--device", "cpu", "--level", "0",
-                        "--passes=-rope_cache"]) == 0
+    assert (
+        compile_cli(
+            [
+                "export",
+                str(tiny_llama),
+                "-o",
+                str(tmp_path / "a"),
+                "--device",
+                "cpu",
+                "--level",
+                "0",
+                "--passes=-rope_cache",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert [p["name"] for p in manifest["passes"]] == ["rms_norm_quant", "silu_mul_quant", "qk_norm_rope_cache",
-                                                        "cleanup"]
+    assert [p["name"] for p in manifest["passes"]] == [
+        "rms_norm_quant",
+        "silu_mul_quant",
+        "qk_norm_rope_cache",
+        "cleanup",
+    ]
     capsys.readouterr()
     assert compile_cli(["show", str(tmp_path / "a")]) == 0
     shown = capsys.readouterr().out
