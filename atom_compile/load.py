@@ -85,8 +85,8 @@ class CompiledModel:
             with safe_open(str(self.path / source["file"]), framework="pt", device=str(self.device)) as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                     params[name].data.copy_(f.get_tensor(name))
-        else:
-            load_weights(model, artifact.check_source_weights(self.manifest))
+        else:  # load_artifact has verified the checkpoint's fingerprint already: read it once, not twice
+            load_weights(model, source["model_dir"])
         return model_weights(model)
 
     def __call__(

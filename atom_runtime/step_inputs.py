@@ -43,6 +43,7 @@ class StepInputs:
             return {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
 
         self.hosts = [host_set(), host_set()] if pin else [host_set()]
+        self.host_arrays = [{name: t.numpy() for name, t in host.items()} for host in self.hosts]  # views, made once
         self.turn = 0
         # per host set and row: which (sequence, table version, length) its block-table row holds
         self.rows_written: list[list[tuple | None]] = [[None] * max_seqs for _ in self.hosts]
@@ -63,7 +64,7 @@ class StepInputs:
         """
         host = self.hosts[self.turn]
         bs = self.block_size
-        np_ = {name: t.numpy() for name, t in host.items()}
+        np_ = self.host_arrays[self.turn]
         num_seqs = len(chunks)
         t = 0
         np_["query_start_loc"][0] = 0
