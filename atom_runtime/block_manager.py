@@ -132,10 +132,3 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.table_version += 1
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.evictable):
-            del self.block_of_hash[self.hash_of[block]]
-            self.hash_of[block] = None
-            self.free_blocks.append(block)
-        self.evictable.clear()
