@@ -27,3 +27,21 @@ def test_warm_steps_cover_decode_prefill_and_mixed():
     assert any(len(step) == 1 and step[0][1] > 64 for step in steps)  # a long prefill
     assert any({n == 1 for _, n in step} == {True, False} for step in steps)  # mixed
     assert all(c + n <= 64 for step in warm_steps(max_model_len=64) for c, n in step)
+
+
+def test_forget_compiled_kernels_reaches_every_kernel(monkeypatch):
+    """Warm-up must recompile kernels compiled earlier in the process, or they never reach the artifact."""
+    import triton.runtime.jit as jit
+
+    from atom_compile.graphs import warmup
+    from atom_models.ops.triton_kernels import attention, rotary_cache
+
+    kernels = [attention._attention_kernel, rotary_cache._rope_cache_kernel]
+    if not all(isinstance(k, jit.JITFunction) for k in kernels):  # TRITON_INTERPRET: kernels are interpreted
+        real = jit.JITFunction(kernels[0].fn if hasattr(kernels[0], "fn") else kernels[0])
+        monkeypatch.setattr(attention, "_attention_kernel", real)
+        kernels = [real]
+    for kernel in kernels:
+        kernel.device_caches[0] = "compiled earlier"  # a plain store: the factory would need a GPU driver
+    warmup.forget_compiled_kernels()
+    assert all(not kernel.device_caches for kernel in kernels)

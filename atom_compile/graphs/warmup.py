@@ -12,7 +12,9 @@ few shapes cover all steps.
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -102,6 +104,22 @@ def kv_cache_dtypes(model: nn.Module, device: torch.device) -> list[torch.dtype]
     return dtypes
 
 
+def forget_compiled_kernels() -> None:
+    """Drop atom's Triton kernels from Triton's in-process cache.
+
+    A variant this process compiled before (the export's reference check runs the same kernels) is
+    launched from memory and never written to the artifact's cache; forgotten, it compiles into it.
+    """
+    from triton.runtime.jit import JITFunction
+
+    from atom_models.ops import triton_kernels
+
+    for info in pkgutil.iter_modules(triton_kernels.__path__, f"{triton_kernels.__name__}."):
+        for value in vars(importlib.import_module(info.name)).values():
+            if isinstance(value, JITFunction):
+                value.device_caches.clear()
+
+
 @torch.inference_mode()
 def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.Module, max_model_len: int) -> None:
     """Run `forward(*graph inputs)` (the artifact as served) over `warm_steps` into the Triton cache `cache`."""
@@ -110,6 +128,7 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
     max_blocks = -(-max_model_len // BLOCK_SIZE)
     kv_shape = (2, 64, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     weights = model_weights(model)
+    forget_compiled_kernels()
     with triton_cache_at(cache):
         for kv_dtype in kv_cache_dtypes(model, device):  # serving picks one with --kv-cache-dtype
             kv_caches = [torch.zeros(kv_shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
