@@ -6,7 +6,9 @@ their saved source, compiled pieces are mapped in from their AOTInductor package
 
 from __future__ import annotations
 
+import ast
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +59,32 @@ def load_top_graph(path: Path):
     return load_graph_source((path / "graphs/model.py").read_text(), str(path / "graphs/model.py"))
 
 
+@dataclass(frozen=True)
+class PieceCall:
+    """One call of a piece in the top-level graph: which values it takes and which earlier calls made them."""
+
+    name: str
+    args: tuple[str, ...]  # the top graph's names for the arguments (placeholders or earlier results)
+    sources: frozenset[str]  # the pieces whose results (or items of them) it takes
+
+
+def piece_calls(path: Path) -> list[PieceCall]:
+    """The pieces the top-level graph calls, in order, read from its source (`x = self.submod_N(...)`)."""
+    made_by: dict[str, str] = {}  # value name -> the piece whose result it is (or an item of)
+    calls = []
+    for statement in ast.parse((path / "graphs/model.py").read_text()).body[0].body:
+        if not isinstance(statement, ast.Assign) or len(statement.targets) != 1:
+            continue
+        target, value = statement.targets[0], statement.value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and isinstance(target, ast.Name):
+            args = tuple(a.id for a in value.args if isinstance(a, ast.Name))
+            calls.append(PieceCall(value.func.attr, args, frozenset(made_by[a] for a in args if a in made_by)))
+            made_by[target.id] = value.func.attr
+        elif isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in made_by:
+            made_by[target.id] = made_by[value.value.id]
+    return calls
+
+
 class CompiledModel:
     """An artifact bound to its weights, callable like the eager model's forward."""
 
@@ -72,6 +100,7 @@ class CompiledModel:
         self.weights = self._load_weights()
         self.forward_graph = load_top_graph(path)
         self.pieces = load_pieces(path, manifest["pieces"])
+        self.calls = piece_calls(path)
         self.inputs = [GraphInput(**i) for i in manifest["inputs"]]
 
     def _load_weights(self) -> dict[str, Tensor]:

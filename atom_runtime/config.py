@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 # NONE: no graphs. FULL: the whole forward of pure-decode batches replays a captured graph.
-CUDAGRAPH_MODES = ("NONE", "FULL")
+# PIECEWISE: the compiled pieces between attention ops replay graphs per token count, for every step.
+# FULL_AND_PIECEWISE: FULL for pure-decode batches, PIECEWISE for prefill and mixed ones.
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
 DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8, *range(16, 513, 16)]
 
 
@@ -23,7 +25,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto = the model's dtype
     max_logprobs: int = 20
     enforce_eager: bool = False
-    cudagraph_mode: str = "FULL"
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
     cudagraph_capture_sizes: list[int] | None = None  # default: 1, 2, 4, 8, 16, 32, 48, ..., 512
     seed: int = 0
 
@@ -43,8 +45,16 @@ class EngineConfig:
             raise ValueError(f"cudagraph_capture_sizes must be positive, got {self.cudagraph_capture_sizes}")
 
     def graph_capture_sizes(self) -> list[int]:
-        """Decode batch sizes to capture (none when eager), capped by max_num_seqs."""
-        if self.enforce_eager or self.cudagraph_mode == "NONE":
+        """Decode batch sizes (sequences) to capture FULL graphs for: none when eager or not FULL*."""
+        if self.enforce_eager or self.cudagraph_mode not in ("FULL", "FULL_AND_PIECEWISE"):
             return []
-        sizes = self.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
-        return sorted({s for s in sizes if s <= self.max_num_seqs})
+        return sorted({s for s in self._capture_sizes() if s <= self.max_num_seqs})
+
+    def piecewise_capture_sizes(self) -> list[int]:
+        """Token counts to capture PIECEWISE graphs for: none when eager or not *PIECEWISE."""
+        if self.enforce_eager or self.cudagraph_mode not in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+            return []
+        return sorted({s for s in self._capture_sizes() if s <= self.max_num_batched_tokens})
+
+    def _capture_sizes(self) -> list[int]:
+        return self.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES

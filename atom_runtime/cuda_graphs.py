@@ -1,16 +1,20 @@
-"""CUDA graphs of whole decode steps, one per batch-size bucket.
+"""CUDA graphs: whole decode steps (FULL) and the compiled pieces between attention ops (PIECEWISE).
+
+FULL graphs:
 
 A pure-decode batch of `b` sequences is padded up to the smallest captured size and replays
 that size's graph: every kernel of the forward (compiled pieces and attention alike) in one
 launch, over the runner's persistent input buffers and KV cache. Prefill and mixed batches
-run outside the graphs. All sizes share one memory pool; capture goes largest first so the
-smaller graphs fit inside what the largest reserved.
+run outside the graphs, or through the PIECEWISE graphs below. All graphs share one memory
+pool; capture goes largest first so the smaller graphs fit inside what the largest reserved.
 """
 
 from __future__ import annotations
 
 import bisect
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,16 +24,17 @@ from tqdm.auto import tqdm
 from atom_runtime.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
+    from atom_compile.load import CompiledModel
     from atom_runtime.model_runner import ModelRunner
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, sizes: list[int]):
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool):
         self.runner = runner
         self.sizes = sorted(sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
-        self.pool = None
+        self.pool = pool
 
     def size_for(self, chunks: list[ScheduledChunk]) -> int | None:
         """The captured size that runs this step, or None if it must run outside the graphs."""
@@ -48,10 +53,163 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[size] = self.runner.model.forward(*args)
-            self.pool = self.pool or graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
     def replay(self, size: int) -> Tensor:
         self.graphs[size].replay()
         return self.outputs[size]
+
+
+def unowned(tensor: Tensor) -> Tensor:
+    """A view of `tensor`'s memory that does not keep it allocated.
+
+    A piece graph's outputs live in the shared graph pool. Held by such views, their memory returns
+    to the pool once the capturing forward is done with it, so the next graph can reuse it: replays
+    run in the order of capture, so a step only ever needs the memory of one forward's live values.
+    """
+    storage = torch._C._construct_storage_from_data_pointer(
+        tensor.untyped_storage().data_ptr(), tensor.device, tensor.untyped_storage().nbytes()
+    )
+    view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return view.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+class PieceGraph:
+    """One compiled piece's CUDA graph for one token count."""
+
+    stream: torch.cuda.Stream | None = None  # capture runs on a side stream, as torch.cuda.graph does
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.graph = torch.cuda.CUDAGraph()
+        self.outputs = None
+
+    def capture(self, fn: Callable, args: tuple):
+        """Capture `fn(*args)`; returns its outputs, owned, for the rest of the capturing forward."""
+        # torch.cuda.graph would also collect garbage and empty the cache for each capture: too slow
+        # for a thousand of them. The piece has run eagerly at this size already (the warm-up forward).
+        PieceGraph.stream = PieceGraph.stream or torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.graph.capture_begin(pool=self.pool)
+            try:
+                output = fn(*args)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.outputs = _map_tensors(unowned, output)
+        return output
+
+    def replay(self):
+        self.graph.replay()
+        return self.outputs
+
+
+def _map_tensors(fn: Callable[[Tensor], Tensor], value):
+    if isinstance(value, Tensor):
+        return fn(value)
+    return type(value)(_map_tensors(fn, v) for v in value)
+
+
+class PiecewiseGraphs:
+    """CUDA graphs of an artifact's compiled pieces, one per token-count bucket; attention runs between them.
+
+    For prefill and mixed batches (and, in PIECEWISE mode, decode): a step's tokens are padded up to a
+    captured size, each compiled piece replays its graph for that size, and the KV-cache pieces
+    (cache writes, attention), whose work depends on the batch's sequences and not only on its
+    token count, run eagerly in between. A graph reads its inputs where they were at capture:
+    weights and step inputs never move, outputs of earlier graphs sit in the graph pool, and what
+    the eager pieces return is copied into static buffers. Pieces that take per-sequence inputs
+    (the last one gathers the sampled rows' logits) run eagerly too.
+    """
+
+    PER_SEQUENCE = ("block_tables", "seq_lens", "query_start_loc", "logits_indices")
+
+    def __init__(self, model: CompiledModel, sizes: list[int], pool, graph: Callable = PieceGraph) -> None:
+        self.sizes = sorted(sizes)
+        self.pool = pool
+        self.graph = graph
+        self.size: int | None = None  # the token count of the step being run; None: everything eager
+        self.capturing = False
+        per_sequence = {i.placeholder for i in model.inputs if i.target in self.PER_SEQUENCE}
+        entries = model.manifest["pieces"]
+        graphed = {c.name for c in model.calls if entries[c.name]["compiled"] and not per_sequence & set(c.args)}
+        copied = {source for c in model.calls if c.name in graphed for source in c.sources} - graphed
+        wrapped = {}
+        for name, piece in vars(model.pieces).items():
+            if name in graphed:
+                wrapped[name] = _GraphedPiece(self, piece)
+            elif name in copied:
+                wrapped[name] = _CopiedPiece(self, piece, max(self.sizes))
+            else:
+                wrapped[name] = piece
+        self.num_graphed = len(graphed)
+        self.model, self.plain_pieces = model, model.pieces
+        model.pieces = type(model.pieces)(wrapped)
+
+    def release(self) -> None:
+        """Give the model its plain pieces back (the graphs go with this object)."""
+        self.model.pieces = self.plain_pieces
+
+    def size_for(self, num_tokens: int) -> int | None:
+        at = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[at] if at < len(self.sizes) else None
+
+    @contextmanager
+    def running(self, size: int | None, capturing: bool = False) -> Iterator[None]:
+        self.size, self.capturing = size, capturing
+        try:
+            yield
+        finally:
+            self.size, self.capturing = None, False
+
+    @torch.inference_mode()
+    def capture(self, runner: ModelRunner, sizes: list[int] | None = None, progress: bool = True) -> None:
+        sizes = sorted(sizes or self.sizes, reverse=True)
+        bar = tqdm(sizes, desc="Capturing piecewise CUDA graphs", unit="size", disable=not progress, file=sys.stderr)
+        for size in bar:
+            args = runner._step_args(*runner.inputs.load([], pad_tokens_to=size))
+            runner.model.forward(*args)  # warm up at this size, outside the graphs
+            with self.running(size, capturing=True):
+                runner.model.forward(*args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+class _GraphedPiece:
+    def __init__(self, owner: PiecewiseGraphs, piece: Callable) -> None:
+        self.owner, self.piece = owner, piece
+        self.graphs: dict[int, PieceGraph] = {}
+
+    def __call__(self, *args):
+        size = self.owner.size
+        if size is None:
+            return self.piece(*args)
+        if self.owner.capturing:
+            graph = self.graphs[size] = self.owner.graph(self.owner.pool)
+            return graph.capture(self.piece, args)  # owned while the capturing forward runs: later captures keep off
+        return self.graphs[size].replay()
+
+
+class _CopiedPiece:
+    """An eager piece whose outputs a graphed piece reads: they land in buffers that never move."""
+
+    def __init__(self, owner: PiecewiseGraphs, piece: Callable, max_tokens: int) -> None:
+        self.owner, self.piece, self.max_tokens = owner, piece, max_tokens
+        self.buffers = None
+
+    def __call__(self, *args):
+        output = self.piece(*args)
+        size = self.owner.size
+        if size is None:
+            return output
+        if self.buffers is None:
+            self.buffers = _map_tensors(lambda t: t.new_empty((self.max_tokens, *t.shape[1:])), output)
+        return _map_tensors_pair(lambda buffer, t: buffer[:size].copy_(t), self.buffers, output)
+
+
+def _map_tensors_pair(fn: Callable[[Tensor, Tensor], Tensor], a, b):
+    if isinstance(a, Tensor):
+        return fn(a, b)
+    return type(a)(_map_tensors_pair(fn, x, y) for x, y in zip(a, b, strict=True))

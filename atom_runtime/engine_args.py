@@ -80,13 +80,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=str.upper,
         choices=CUDAGRAPH_MODES,
         default=_DEFAULTS.cudagraph_mode,
-        help="FULL: decode batches replay captured CUDA graphs; NONE: never",
+        help="FULL: decode batches replay whole-step CUDA graphs; PIECEWISE: the compiled pieces between attention "
+        "ops replay graphs per token count; FULL_AND_PIECEWISE (default): FULL for decode, PIECEWISE otherwise; NONE",
     )
     group.add_argument(
         "--cudagraph-capture-sizes",
         type=capture_sizes,
         default=_DEFAULTS.cudagraph_capture_sizes,
-        help='decode batch sizes to capture, as a list: "[1,2,4,8,16,32]" (default: 1, 2, 4, 8, 16, 32, ..., 512)',
+        help='batch sizes to capture (sequences for FULL graphs, tokens for PIECEWISE), as a list: "[1,2,4,8,16,32]" '
+        "(default: 1, 2, 4, 8, 16, 32, ..., 512)",
     )
     group.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="random seed")
     group.add_argument(

@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from atom_compile.load import CompiledModel
 from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
-from atom_runtime.cuda_graphs import DecodeGraphs
+from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from atom_runtime.sampler import DeviceSample, SampledTokens, Sampler
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.step_inputs import StepInputs
@@ -54,7 +55,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_dtype = {"auto": model.dtype, "bf16": torch.bfloat16, "fp8": FP8_DTYPE}[config.kv_cache_dtype]
         self.max_model_len = config.max_model_len
-        self.capture_sizes = config.graph_capture_sizes() if self.device.type == "cuda" else []
+        cuda = self.device.type == "cuda"
+        self.capture_sizes = config.graph_capture_sizes() if cuda else []
+        self.piecewise_sizes = config.piecewise_capture_sizes() if cuda else []
+        if self.piecewise_sizes and not isinstance(model.forward, CompiledModel):
+            logger.info("piecewise CUDA graphs need a compiled artifact; prefill and mixed steps run eagerly")
+            self.piecewise_sizes = []
         self.num_blocks = self._decide_num_blocks()
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
@@ -73,9 +79,19 @@ class ModelRunner:
             else []
         )
         self.graphs: DecodeGraphs | None = None
-        if self.capture_sizes:
-            self.graphs = DecodeGraphs(self, self.capture_sizes)
-            self.graphs.capture()
+        self.piecewise: PiecewiseGraphs | None = None
+        if self.capture_sizes or self.piecewise_sizes:
+            pool = torch.cuda.graph_pool_handle()  # one pool for every graph: only one runs at a time
+            if self.capture_sizes:
+                self.graphs = DecodeGraphs(self, self.capture_sizes, pool)
+                self.graphs.capture()
+            if self.piecewise_sizes:
+                self.piecewise = PiecewiseGraphs(model.forward, self.piecewise_sizes, pool)
+                if self.piecewise.num_graphed:
+                    self.piecewise.capture(self)
+                else:  # nothing compiled (an artifact exported at level 0)
+                    self.piecewise.release()
+                    self.piecewise = None
 
     @property
     def block_bytes(self) -> int:
@@ -101,7 +117,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         activation_peak = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
-        graph_bytes = self._graph_memory() if self.capture_sizes else 0
+        graph_bytes = self._graph_memory() if self.capture_sizes or self.piecewise_sizes else 0
         free, total = torch.cuda.mem_get_info()
         available = total * self.config.gpu_memory_utilization - (total - free) - activation_peak - graph_bytes
         num_blocks = int(available // self.block_bytes)
@@ -114,20 +130,27 @@ class ModelRunner:
         return num_blocks
 
     def _graph_memory(self) -> int:
-        """Memory the decode graphs will hold: the largest one captured over a one-block cache, with margin."""
-        size = max(self.capture_sizes)
+        """Memory the graphs will hold: the largest of each kind captured over a one-block cache, with margin."""
+        size = max(self.capture_sizes + self.piecewise_sizes)
         cache = torch.zeros(
             (2, 1, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.kv_dtype, device=self.device
         )
         self.kv_caches = [cache] * self.num_layers
         self.inputs = StepInputs(size, size, 1, self.block_size, self.device)
         free_before = torch.cuda.mem_get_info()[0]
-        trial = DecodeGraphs(self, [size])
-        trial.capture(progress=False)
+        pool = torch.cuda.graph_pool_handle()
+        trials: list[DecodeGraphs | PiecewiseGraphs] = []
+        if self.capture_sizes:
+            trials.append(DecodeGraphs(self, [max(self.capture_sizes)], pool))
+            trials[-1].capture(progress=False)
+        if self.piecewise_sizes:
+            trials.append(PiecewiseGraphs(self.model.forward, [max(self.piecewise_sizes)], pool))
+            trials[-1].capture(self, progress=False)
+            trials[-1].release()
         used = free_before - torch.cuda.mem_get_info()[0]
-        del trial, self.kv_caches, self.inputs, cache
+        del trials, self.kv_caches, self.inputs, cache
         torch.cuda.empty_cache()
-        return int(used * 1.2) + (2 << 20) * len(self.capture_sizes)
+        return int(used * 1.2) + (2 << 20) * len(self.capture_sizes + self.piecewise_sizes)
 
     def profile_run(self) -> None:
         """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory."""
@@ -186,6 +209,11 @@ class ModelRunner:
         if graph_size is not None:
             self.inputs.load(chunks, pad_seqs_to=graph_size, in_flight=previous)
             logits = self.graphs.replay(graph_size)
+        elif self.piecewise is not None:
+            tokens = self.piecewise.size_for(sum(c.num_tokens for c in chunks))
+            sizes = self.inputs.load(chunks, in_flight=previous, pad_tokens_to=tokens)
+            with self.piecewise.running(tokens):
+                logits = self.model.forward(*self._step_args(*sizes))
         else:
             sizes = self.inputs.load(chunks, in_flight=previous)
             logits = self.model.forward(*self._step_args(*sizes))

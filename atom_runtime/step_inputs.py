@@ -54,13 +54,19 @@ class StepInputs:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
 
     def load(
-        self, chunks: list[ScheduledChunk], pad_seqs_to: int | None = None, in_flight: Tensor | None = None
+        self,
+        chunks: list[ScheduledChunk],
+        pad_seqs_to: int | None = None,
+        in_flight: Tensor | None = None,
+        pad_tokens_to: int | None = None,
     ) -> tuple[int, int, int]:
         """Write one step; returns (tokens, seqs, logits) counts, padding included.
 
-        Padding (for CUDA graphs of decode batches) adds one-token sequences that write nowhere
-        (slot -1), read one cached position, and whose logits are discarded. `in_flight` holds
-        the token ids sampled by the previous step, for sequences whose last token is a placeholder.
+        `pad_seqs_to` (for FULL CUDA graphs of decode batches) adds one-token sequences that write
+        nowhere (slot -1), read one cached position, and whose logits are discarded.
+        `pad_tokens_to` (for PIECEWISE graphs) adds tokens of no sequence: they write nowhere and
+        attention zeroes them. `in_flight` holds the token ids sampled by the previous step, for
+        sequences whose last token is a placeholder.
         """
         host = self.hosts[self.turn]
         bs = self.block_size
@@ -97,6 +103,11 @@ class StepInputs:
             if chunk.samples:
                 np_["logits_indices"][logits] = t - 1
                 logits += 1
+        if pad_tokens_to is not None and pad_tokens_to > t:
+            ids[t:pad_tokens_to] = 0
+            pos[t:pad_tokens_to] = 0
+            slots[t:pad_tokens_to] = -1
+            t = pad_tokens_to
         if pad_seqs_to is not None and pad_seqs_to > num_seqs:
             pad = pad_seqs_to - num_seqs
             np_["input_ids"][t : t + pad] = 0

@@ -16,7 +16,7 @@ from atom_runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-PROMPTS = ["Hello there", "The quick brown fox", "x"]
+PROMPTS = ["Hello there", "The quick brown fox", "x", "a b c d e f g h i j k l m n o p q r s t u v w x y z"]
 
 CHILD = """
 import json, sys
@@ -30,12 +30,15 @@ def counting_make_ir(self, *args, **kwargs):
 compiler.ASTSource.make_ir = counting_make_ir
 
 from atom_runtime import LLM, SamplingParams
-llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8])
+# 8-token steps: the long prompt prefills in chunks, beside the others' decodes (piecewise graphs)
+llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=8)
+runner = llm.engine.core.runner
 outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 import os, pathlib
 cache = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
 groups = sorted(str(g.relative_to(cache)) for g in cache.glob("*/__grp__*"))
-print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled": compiles, "cache_groups": groups}}))
+print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled": compiles, "cache_groups": groups,
+                  "graphs": [sorted(runner.graphs.graphs), runner.piecewise.num_graphed]}}))
 """
 
 
@@ -63,6 +66,7 @@ def test_cuda_artifact_serves_without_compiling(which, request, tmp_path, monkey
     run = subprocess.run([sys.executable, str(script), str(artifact)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["graphs"][0] == [1, 2, 4, 8] and result["graphs"][1] > 0  # FULL and PIECEWISE graphs both ran
     shipped = sorted(
         str(g.relative_to(artifact / "triton_cache")) for g in (artifact / "triton_cache").glob("*/__grp__*")
     )

@@ -52,8 +52,12 @@ def test_padded_decode_step_equals_unpadded(runner):
 
 def test_capture_sizes_follow_config():
     assert EngineConfig(max_num_seqs=40).graph_capture_sizes() == [1, 2, 4, 8, 16, 32]
-    assert EngineConfig(enforce_eager=True).graph_capture_sizes() == []
-    assert EngineConfig(cudagraph_mode="none").graph_capture_sizes() == []
+    assert EngineConfig(max_num_batched_tokens=40).piecewise_capture_sizes() == [1, 2, 4, 8, 16, 32]
+    assert EngineConfig().piecewise_capture_sizes()[-1] == 512
+    for eager in (EngineConfig(enforce_eager=True), EngineConfig(cudagraph_mode="none")):
+        assert eager.graph_capture_sizes() == eager.piecewise_capture_sizes() == []
+    assert EngineConfig(cudagraph_mode="piecewise").graph_capture_sizes() == []
+    assert EngineConfig(cudagraph_mode="full").piecewise_capture_sizes() == []
     assert EngineConfig(cudagraph_capture_sizes=[3, 1, 3]).graph_capture_sizes() == [1, 3]
     with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
         EngineConfig(cudagraph_mode="SOMETIMES")
@@ -73,3 +77,49 @@ def test_cuda_graph_decode_equals_eager(tiny_llama):
     finally:
         graphed.shutdown()
         eager.shutdown()
+
+
+class EmulatedGraph:
+    """A CUDA graph's contract on CPU: replay reruns the piece on the very tensors it was captured with.
+
+    So a step that hands a graphed piece anything but what capture saw (a fresh attention output,
+    another view) reads stale values, and the outputs differ from the plain forward's.
+    """
+
+    def __init__(self, pool) -> None:
+        self.fn = self.args = self.outputs = None
+
+    def capture(self, fn, args):
+        self.fn, self.args = fn, args
+        self.outputs = fn(*args)
+        return self.outputs
+
+    def replay(self):
+        fresh = self.fn(*self.args)
+        for old, new in zip(self.outputs, fresh, strict=True) if isinstance(fresh, tuple) else [(self.outputs, fresh)]:
+            old.copy_(new)
+        return self.outputs
+
+
+def test_piecewise_graphs_equal_plain_forward(llama_artifact):
+    from atom_runtime.cuda_graphs import PiecewiseGraphs
+
+    prompts = ["Hello there", "The quick brown fox jumps over", "a b c d e f g h i j k", "x"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(llama_artifact), block_size=4, max_num_batched_tokens=24)
+    try:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runner = llm.engine.core.runner
+        piecewise = PiecewiseGraphs(runner.model.forward, [4, 8, 16, 24], None, graph=EmulatedGraph)
+        calls = runner.model.forward.calls
+        assert 0 < piecewise.num_graphed < len(calls)
+        assert calls[-1].name not in {n for n, p in vars(runner.model.forward.pieces).items() if hasattr(p, "graphs")}
+        piecewise.capture(runner, progress=False)
+        runner.piecewise = piecewise
+        # chunked prefill (24-token budget) and mixed prefill + decode steps, padded to 4, 8, 16 or 24 tokens
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        graphed = [p for p in vars(runner.model.forward.pieces).values() if hasattr(p, "graphs")]
+        assert all(set(p.graphs) == {4, 8, 16, 24} for p in graphed)
+        piecewise.release()
+    finally:
+        llm.shutdown()
