@@ -124,8 +124,11 @@ def main() -> None:
         if args.profile:
             profile_step(llm, min(args.batch_sizes), args.out.with_suffix(".profile.txt"))
         llm.shutdown()
+    manifest = llm.engine.core.runner.model.forward.manifest
+    scheme = (manifest["quantization"] or {}).get("method") or manifest["dtype"]
+    model_name = Path(args.artifact).name if args.artifact else args.preset
     print_table(
-        f"decode, {args.preset}, bf16, context {args.context}, {device_name()}, copy {bandwidth / 1e12:.2f} TB/s, "
+        f"decode, {model_name}, {scheme}, context {args.context}, {device_name()}, copy {bandwidth / 1e12:.2f} TB/s, "
         f"weights {weight_bytes / 1e9:.2f} GB",
         rows,
         [
