@@ -12,6 +12,7 @@ and `graph` (replaying the step's CUDA graph alone, timed with CUDA events).
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -55,6 +56,48 @@ def profile_step(llm: LLM, batch: int, out: Path) -> None:
     print(f"\neager decode step, batch {batch}, 5 steps:\n{table}")
 
 
+def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) -> dict:
+    """Where an engine step's wall time goes: GPU busy time (kernels and copies) against idle gaps.
+
+    A trace of `generate` over `steps` decode steps; the GPU's busy intervals are merged, and the
+    gaps between them are where the device waited for the host.
+    """
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    trace = out.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    trace.unlink()
+    gpu = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    if not gpu:
+        return {}
+    busy, gaps, end = 0.0, [], gpu[0][0]
+    for start, stop, name in gpu:
+        if start > end:
+            gaps.append((start - end, name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    wall = end - gpu[0][0]
+    gaps.sort(reverse=True)
+    summary = {
+        "steps": steps,
+        "gpu_span_ms_per_step": wall / steps / 1e3,
+        "gpu_busy_ms_per_step": busy / steps / 1e3,
+        "idle_ms_per_step": (wall - busy) / steps / 1e3,
+        "gaps_over_20us_per_step": sum(1 for g, _ in gaps if g > 20) / steps,
+        "largest_gaps_us_before": [[round(g, 1), name[:60]] for g, name in gaps[:8]],
+    }
+    print(f"\nengine trace, batch {len(prompts)}: " + json.dumps(summary, indent=1))
+    return summary
+
+
 def graph_step_ms(llm: LLM, batch: int, reps: int = 50) -> float | None:
     runner = llm.engine.core.runner
     graphs = runner.graphs
@@ -80,7 +123,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=400, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     parser.add_argument("--out", type=Path, default=Path("bench_decode.json"))
-    parser.add_argument("--profile", action="store_true", help="also profile one eager step at the smallest batch")
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile an eager step and trace the engine at the smallest batch"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,8 +166,11 @@ def main() -> None:
                     **phases,
                 }
             )
+        trace = None
         if args.profile:
             profile_step(llm, min(args.batch_sizes), args.out.with_suffix(".profile.txt"))
+            prompts = torch.randint(0, config.vocab_size, (min(args.batch_sizes), args.context), generator=generator)
+            trace = profile_engine(llm, prompts.tolist(), 32, args.out)
         llm.shutdown()
     manifest = llm.engine.core.runner.model.forward.manifest
     scheme = (manifest["quantization"] or {}).get("method") or manifest["dtype"]
@@ -148,6 +196,7 @@ def main() -> None:
             "copy_bandwidth": bandwidth,
             "weight_bytes": weight_bytes,
             "rows": rows,
+            "engine_trace": trace,
         },
     )
 
