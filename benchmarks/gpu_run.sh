@@ -29,7 +29,9 @@ for stage in "$@"; do
     offline-small) python3 benchmarks/bench_offline.py --preset qwen3-0.6b --num-prompts 1000 --input-len 1024 \
              --output-len 1024 --out "$OUT/offline-qwen3-0.6b.json" 2>&1 | grep -v Warning | tail -8 ;;
     passes) python3 benchmarks/bench_passes.py --preset qwen3-0.6b --out "$OUT/passes.json" 2>&1 | grep -v Warning | tail -12 ;;
-    isolation) python3 benchmarks/bench_engine_isolation.py --out "$OUT/isolation.json" 2>&1 | tail -5 ;;
+    isolation) art=$(cd benchmarks && python3 -c "from pathlib import Path; from bench_common import dummy_artifact
+print(dummy_artifact('qwen3-0.6b', Path('/tmp/iso'), 'cuda'))" | tail -1)
+      python3 benchmarks/bench_engine_isolation.py --model "$art" --out "$OUT/isolation.json" 2>&1 | tail -8 ;;
     startup) python3 benchmarks/bench_startup.py --preset llama-3-8b --out "$OUT/startup.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -6 ;;
     export) python3 benchmarks/bench_export.py --preset qwen3-0.6b --layers 2 28 --device cuda \
              --out "$OUT/export.json" 2>&1 | tail -6 ;;
