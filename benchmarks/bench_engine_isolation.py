@@ -115,7 +115,9 @@ def main() -> None:
         port = free_port()
         server = subprocess.Popen(
             [
-                "atom-run",
+                sys.executable,  # `python -m atom_runtime` is `atom-run`, also where the script is not installed
+                "-m",
+                "atom_runtime",
                 "serve",
                 str(model),
                 "--port",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +50,9 @@ def main() -> None:
         started = time.perf_counter()
         server = subprocess.Popen(
             [
-                "atom-run",
+                sys.executable,  # `python -m atom_runtime` is `atom-run`, also where the script is not installed
+                "-m",
+                "atom_runtime",
                 "serve",
                 str(artifact),
                 "--port",
