@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from atom_runtime.detokenizer import IncrementalDetokenizer
-from atom_runtime.engine_core import EngineCore, TokenUpdate
+from atom_runtime.engine_core import EngineCore, StepOutput
 from atom_runtime.metrics import Metrics
 from atom_runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from atom_runtime.sampler import SampledTokens
 from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -115,9 +116,9 @@ class AsyncEngine:
                 if self._stopping:
                     return
                 if self.core.has_work():
-                    updates = self.core.step()
-                    if updates:
-                        self._loop.call_soon_threadsafe(self._on_updates, updates)
+                    output = self.core.step()
+                    if output is not None:
+                        self._loop.call_soon_threadsafe(self._on_updates, output)
         except BaseException as error:  # noqa: BLE001  (reported to every waiting request)
             logger.exception("engine core failed")
             self._error = error
@@ -236,46 +237,56 @@ class AsyncEngine:
         self._commands.put(("call", (fn, future)))
         return await asyncio.wrap_future(future)
 
-    def _on_updates(self, updates: list[TokenUpdate]) -> None:
+    def _on_updates(self, output: StepOutput) -> None:
+        """Add one step's tokens to their requests; queue the outputs of finished and streamed ones."""
         now = time.monotonic()
+        states, skipped, finished = self._states, output.skipped, output.finished
         changed: dict[str, _RequestState] = {}
-        for update in updates:
-            state = self._states.get(update.request_id)
+        ended: set[str] = set()  # requests one of whose completions ended in this step
+        for row, (seq, token) in enumerate(zip(output.seqs, output.token_ids, strict=True)):
+            if skipped and row in skipped:
+                continue
+            state = states.get(seq.request_id)
             if state is None:
                 continue
-            completion = state.completions[update.index]
+            completion = state.completions[seq.index]
             if completion.finish_reason is not None:
                 continue  # already ended by a stop string; the core has been told
-            self._add_token(state, completion, update)
+            completion.token_ids.append(token)
+            if completion.logprobs is not None and output.sampled.logprobs is not None:
+                self._add_logprobs(completion, token, output.sampled, row, state.params.logprobs)
+            stop = completion.detokenizer.add(token)
+            if stop is not None:
+                completion.finish_reason, completion.stop_reason = "stop", stop
+                ended.add(seq.request_id)
+                if row not in finished:
+                    self._commands.put(("abort", (seq.request_id, seq.index)))
+            elif finished and row in finished:
+                completion.detokenizer.flush()
+                completion.finish_reason, completion.stop_reason = finished[row]
+                ended.add(seq.request_id)
+            state.metrics.num_cached_tokens = seq.num_cached_tokens
+            changed[seq.request_id] = state
+        for request_id, state in changed.items():
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
-            state.metrics.num_cached_tokens = update.num_cached_tokens
-            changed[update.request_id] = state
-        for state in changed.values():
-            finished = state.finished
-            if finished:
+            done = request_id in ended and state.finished
+            if done:
                 state.metrics.finished_time = now
                 self._record_finished(state)
-            if finished or state.stream:
+            if done or state.stream:
                 state.queue.put_nowait(state.output())
 
-    def _add_token(self, state: _RequestState, completion: _Completion, update: TokenUpdate) -> None:
-        completion.token_ids.append(update.token_id)
-        if completion.logprobs is not None and update.logprobs is not None:
-            entry = {update.token_id: Logprob(update.logprobs[0], update.rank, self._decode_one(update.token_id))}
-            top = zip(update.logprob_token_ids[1:], update.logprobs[1:], strict=True)
-            for rank, (token, value) in enumerate(top, 1):
-                entry.setdefault(token, Logprob(value, rank, self._decode_one(token)))
-            completion.logprobs.append(entry)
-            completion.cumulative_logprob += update.logprobs[0]
-        stop = completion.detokenizer.add(update.token_id)
-        if stop is not None:
-            completion.finish_reason, completion.stop_reason = "stop", stop
-            if update.finish_reason is None:
-                self._commands.put(("abort", (state.request_id, completion.index)))
-        elif update.finish_reason is not None:
-            completion.detokenizer.flush()
-            completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
+    def _add_logprobs(
+        self, completion: _Completion, token: int, sampled: SampledTokens, row: int, num_logprobs: int
+    ) -> None:
+        keep = 1 + num_logprobs
+        ids, values = sampled.logprob_token_ids[row][:keep], sampled.logprobs[row][:keep]
+        entry = {token: Logprob(values[0], sampled.ranks[row], self._decode_one(token))}
+        for rank, (top, value) in enumerate(zip(ids[1:], values[1:], strict=True), 1):
+            entry.setdefault(top, Logprob(value, rank, self._decode_one(top)))
+        completion.logprobs.append(entry)
+        completion.cumulative_logprob += values[0]
 
     def _decode_one(self, token_id: int) -> str:
         return self.backend_tokenizer.decode([token_id], skip_special_tokens=False)

@@ -131,4 +131,3 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
-        seq.table_version += 1

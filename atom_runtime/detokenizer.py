@@ -29,8 +29,15 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.skip_special_tokens = params.skip_special_tokens
         self.pending: list[int] = []  # tokens the stream holds back, not yet valid UTF-8
-        self.text = ""
+        # The text so far, in pieces joined when read: without stop strings, nothing reads it per token.
+        self.pieces: list[str] = []
         self.stopped_by: str | None = None
+
+    @property
+    def text(self) -> str:
+        if len(self.pieces) != 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0]
 
     def add(self, token_id: int) -> str | None:
         """Append a token; returns the stop string if the text now contains one."""
@@ -40,7 +47,11 @@ class IncrementalDetokenizer:
         if piece is None:
             self.pending.append(token_id)
             return None
-        self.pending.clear()
+        if self.pending:
+            self.pending.clear()
+        if not self.stop:
+            self.pieces.append(piece)
+            return None
         return self._extend(piece)
 
     def flush(self) -> None:
@@ -50,13 +61,15 @@ class IncrementalDetokenizer:
             self.pending.clear()
 
     def _extend(self, piece: str) -> str | None:
-        search_from = max(0, len(self.text) - self.holdback)
-        self.text += piece
-        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) >= 0]
+        text = self.text
+        search_from = max(0, len(text) - self.holdback)
+        text += piece
+        found = [(at, stop) for stop in self.stop if (at := text.find(stop, search_from)) >= 0]
         if not found:
+            self.pieces[0] = text
             return None
         at, stop = min(found)
-        self.text = self.text[: at + len(stop) if self.include_stop else at]
+        self.pieces[0] = text[: at + len(stop) if self.include_stop else at]
         self.stopped_by = stop
         return stop
 

@@ -8,32 +8,34 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.config import EngineConfig
 from atom_runtime.model_runner import ModelRunner
 from atom_runtime.sampler import DeviceSample, SampledTokens
 from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
-from atom_runtime.scheduler import Scheduler
-from atom_runtime.sequence import PLACEHOLDER, Sequence
+from atom_runtime.scheduler import ScheduledChunk, Scheduler
+from atom_runtime.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
+FINISHED = SequenceStatus.FINISHED
+
 
 @dataclass
-class TokenUpdate:
-    """One new token of one sequence, and whether that sequence is now finished."""
+class StepOutput:
+    """The tokens one step sampled: row `i` gives `token_ids[i]` to `seqs[i]`.
 
-    request_id: str
-    index: int
-    token_id: int
-    logprob_token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-    rank: int | None = None
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    num_cached_tokens: int = 0
+    Made once per step from the sampled lists as they come, rather than an object per token: at large
+    batches, per-token objects cost more than the rest of the step's bookkeeping.
+    """
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    sampled: SampledTokens  # with the logprobs, for rows whose request asked for them
+    skipped: set[int] = field(default_factory=set)  # rows whose sequence had already finished: no token
+    finished: dict[int, tuple[str, int | None]] = field(default_factory=dict)  # row -> (finish_reason, stop_reason)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class InFlight:
     sample: DeviceSample
     seqs: list[Sequence]  # the sequences it samples for, one per row
     positions: list[int]  # where each one's placeholder token sits
+    needs_penalties: bool  # some row applies penalties: the next step needs its tokens on the host first
 
 
 @dataclass
@@ -111,7 +114,10 @@ class EngineCore:
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.check_fits(len(prompt_token_ids), params)
-        seqs = [Sequence(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        seqs = [
+            Sequence(request_id, i, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
+            for i in range(params.n)
+        ]
         self.sequences[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
@@ -132,7 +138,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
 
-    def step(self) -> list[TokenUpdate]:
+    def step(self) -> StepOutput | None:
         """Queue the next step on the device, then finish the previous one while it runs.
 
         The previous step's tokens are still on the device when the next is scheduled and its
@@ -141,30 +147,22 @@ class EngineCore:
         preparation and the host side of outputs overlap with the GPU. A sequence that
         turns out to have stopped (EOS, stop token) computed one token too many, which is
         dropped. Penalties need the real tokens on the host, so they wait for them first.
+        Returns the tokens of the step finished, if one was.
         """
         started = time.perf_counter()
-        updates: list[TokenUpdate] = []
-        if self.in_flight is not None and any(s.params.needs_penalties for s in self.in_flight.seqs):
-            updates += self._finish_in_flight()
+        output = None
+        if self.in_flight is not None and self.in_flight.needs_penalties:
+            output = self._finish_in_flight()
         scheduled = time.perf_counter()
         plan = self.scheduler.schedule()
         launched_at = time.perf_counter()
         launched = None
         if plan.chunks:
-            for chunk in plan.chunks:
-                chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
             sample = self.runner.launch(plan.chunks, self.in_flight.sample if self.in_flight else None)
-            if sample is not None:
-                launched = InFlight(sample, [c.seq for c in plan.chunks if c.samples], [])
-                for row, seq in enumerate(launched.seqs):
-                    position = len(seq.token_ids)
-                    launched.positions.append(position)
-                    seq.token_ids.append(PLACEHOLDER)
-                    seq.sample_row = row
-                    seq.last_token_pending = self._length_reached(seq, position + 1)
+            launched = self._commit(plan.chunks, sample)
         finishing = time.perf_counter()
         if self.in_flight is not None:
-            updates += self._finish_in_flight()
+            output = self._finish_in_flight()
         self.in_flight = launched
         self._refresh_stats()
         s, now = self.stats, time.perf_counter()
@@ -175,54 +173,53 @@ class EngineCore:
         s.finish_time_s += now - finishing - self._waited
         s.wait_time_s += self._waited
         self._waited = 0.0
-        return updates
+        return output
 
-    def _finish_in_flight(self) -> list[TokenUpdate]:
+    def _commit(self, chunks: list[ScheduledChunk], sample: DeviceSample | None) -> InFlight | None:
+        """Advance the scheduled sequences past this step; a sampling one gets a placeholder for its token."""
+        seqs: list[Sequence] = []
+        positions: list[int] = []
+        penalties = False
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.samples:
+                position = len(seq.token_ids)
+                seq.sample_row = len(seqs)
+                seqs.append(seq)
+                positions.append(position)
+                seq.token_ids.append(PLACEHOLDER)
+                penalties = penalties or seq.params.needs_penalties
+        return InFlight(sample, seqs, positions, penalties) if sample is not None else None
+
+    def _finish_in_flight(self) -> StepOutput:
         flight, self.in_flight = self.in_flight, None
         waiting = time.perf_counter()
         sampled = flight.sample.to_host()
         self._waited += time.perf_counter() - waiting
-        updates = []
-        for row, (seq, position) in enumerate(zip(flight.seqs, flight.positions, strict=True)):
-            if seq.finished:  # aborted, or stopped by an earlier token: this one is dropped
+        output = StepOutput(flight.seqs, sampled.token_ids, sampled)
+        for row, (seq, position, token) in enumerate(
+            zip(flight.seqs, flight.positions, sampled.token_ids, strict=True)
+        ):
+            if seq.status is FINISHED:  # aborted, or stopped by an earlier token: this one is dropped
+                output.skipped.add(row)
                 continue
-            updates.append(self._set_token(seq, position, sampled, row))
-        return updates
+            seq.token_ids[position] = token
+            num_tokens = position + 1
+            if num_tokens >= seq.max_num_tokens or (token in seq.stops_on and num_tokens > seq.min_num_tokens):
+                output.finished[row] = self._stop(seq, token, num_tokens)
+        return output
 
-    def _set_token(self, seq: Sequence, position: int, sampled: SampledTokens, row: int) -> TokenUpdate:
-        token = sampled.token_ids[row]
-        seq.token_ids[position] = token
-        update = TokenUpdate(seq.request_id, seq.index, token, num_cached_tokens=seq.num_cached_tokens)
-        if sampled.logprobs is not None and seq.params.logprobs is not None:
-            keep = 1 + seq.params.logprobs
-            update.logprob_token_ids = sampled.logprob_token_ids[row][:keep]
-            update.logprobs = sampled.logprobs[row][:keep]
-            update.rank = sampled.ranks[row]
-        reason, stop_reason = self._stop_reason(seq, token, position + 1)
-        if reason is not None:
-            del seq.token_ids[position + 1 :]  # a placeholder queued after a stop
-            self.scheduler.finish(seq, reason, stop_reason)
-            update.finish_reason, update.stop_reason = reason, stop_reason
-            self._forget_if_done(seq.request_id)
-        return update
-
-    def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
-        max_tokens = seq.params.max_tokens
-        return num_tokens >= self.max_model_len or (
-            max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens
-        )
-
-    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> tuple[str | None, int | None]:
-        """Why `seq` stops at `token`, its `num_tokens`-th token, if it does."""
-        params = seq.params
-        if num_tokens - seq.num_prompt_tokens > params.min_tokens:
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-        if self._length_reached(seq, num_tokens):
-            return "length", None
-        return None, None
+    def _stop(self, seq: Sequence, token: int, num_tokens: int) -> tuple[str, int | None]:
+        """Retire `seq`, which stops at `token`, its `num_tokens`-th; returns (finish_reason, stop_reason)."""
+        if token in seq.stops_on and num_tokens > seq.min_num_tokens:
+            reason, stop_reason = "stop", token if token in seq.params.stop_token_ids else None
+        else:
+            reason, stop_reason = "length", None
+        del seq.token_ids[num_tokens:]  # a placeholder queued after a stop
+        self.scheduler.finish(seq, reason, stop_reason)
+        self._forget_if_done(seq.request_id)
+        return reason, stop_reason
 
     def _refresh_stats(self) -> None:
         s = self.stats

@@ -18,16 +18,23 @@ from atom_runtime.block_manager import BlockManager
 from atom_runtime.sequence import Sequence, SequenceStatus
 
 
-@dataclass
 class ScheduledChunk:
-    seq: Sequence
-    start: int  # first token position computed in this step
-    num_tokens: int
-    # Whether this chunk reaches the end of the sequence, so its last logits give a new token.
-    samples: bool = field(init=False)
+    """`num_tokens` tokens of `seq` computed in this step, from position `start`.
 
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
+    A plain slotted class: one is made per scheduled sequence and step.
+    """
+
+    __slots__ = ("seq", "start", "num_tokens", "samples")
+
+    def __init__(self, seq: Sequence, start: int, num_tokens: int):
+        self.seq = seq
+        self.start = start
+        self.num_tokens = num_tokens
+        # Whether this chunk reaches the end of the sequence, so its last logits give a new token.
+        self.samples = start + num_tokens == len(seq.token_ids)
+
+    def __repr__(self) -> str:
+        return f"ScheduledChunk({self.seq!r}, start={self.start}, num_tokens={self.num_tokens})"
 
 
 @dataclass
@@ -57,23 +64,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.last_token_pending:  # the step in flight samples its last token
-                i += 1
+        running, chunks, allocate = self.running, out.chunks, self.block_manager.allocate  # hot loop: locals
+        # Preemption only removes from the end of `running`, which iteration over it tolerates.
+        for seq in running:
+            if budget <= 0:
+                break
+            num_tokens = len(seq.token_ids)
+            if num_tokens >= seq.max_num_tokens:  # the step in flight samples its last token
                 continue
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, num_new):
-                victim = self.running[-1]
+            num_new = num_tokens - seq.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            while not allocate(seq, num_new):
+                victim = running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
-                i += 1
                 continue
             break  # `seq` itself was preempted: nothing behind it can fit either
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import enum
-import itertools
+import sys
 import time
+from collections.abc import Collection
 
 import torch
 
 from atom_runtime.sampling_params import SamplingParams
-
-_ids = itertools.count()
 
 # A sampled token still on the device: the step that samples it is in flight.
 PLACEHOLDER = -1
@@ -23,7 +22,15 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_model_len: int | None = None,
+        eos_token_ids: Collection[int] = (),
+    ):
         self.request_id = request_id
         self.index = index  # which of the request's n completions
         self.token_ids = list(prompt_token_ids)
@@ -35,16 +42,21 @@ class Sequence:
         # Tokens whose keys/values are in the cache; the rest are computed in later steps.
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at first schedule
-        self.block_table: list[int] = []
-        self.seq_id = next(_ids)
-        self.table_version = 0  # bumped when the block table is replaced rather than extended
+        self.block_table: list[int] = []  # only ever extended in place, or replaced
         self.block_hashes: list[int] = []  # chained hash of each full block, in order
         self.arrival_time = time.monotonic()
         self.sample_row = -1  # row of its placeholder token in the in-flight step's samples
-        self.last_token_pending = False  # the in-flight step samples its final token (length limit)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        # Stop rules, resolved once rather than per token: it ends for length on reaching max_num_tokens
+        # tokens, and on a token of stops_on (stop_token_ids, and EOS unless ignored) past min_num_tokens.
+        limit = max_model_len if max_model_len is not None else sys.maxsize
+        if params.max_tokens is not None:
+            limit = min(limit, self.num_prompt_tokens + params.max_tokens)
+        self.max_num_tokens = limit
+        self.min_num_tokens = self.num_prompt_tokens + params.min_tokens
+        self.stops_on = frozenset(params.stop_token_ids).union(() if params.ignore_eos else eos_token_ids)
 
     @property
     def key(self) -> tuple[str, int]:

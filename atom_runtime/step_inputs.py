@@ -21,6 +21,10 @@ from atom_models.layers import AttentionMetadata
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import PLACEHOLDER
 
+# From this many sequences on, a step's inputs are written with numpy over the whole batch (the crossover
+# measured on CPU: below it, numpy's per-call overhead costs more than per-sequence scalar writes).
+VECTORIZE_FROM = 40
+
 
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
@@ -45,13 +49,16 @@ class StepInputs:
         self.hosts = [host_set(), host_set()] if pin else [host_set()]
         self.host_arrays = [{name: t.numpy() for name, t in host.items()} for host in self.hosts]  # views, made once
         self.turn = 0
-        # per host set and row: which (sequence, table version, length) its block-table row holds
-        self.rows_written: list[list[tuple | None]] = [[None] * max_seqs for _ in self.hosts]
+        # Per host set and row: the block-table list its row was copied from, and how much of it. Tables
+        # are only ever extended in place or replaced, so the same list at the same length is the same row.
+        self.tables_written: list[list[list[int] | None]] = [[None] * max_seqs for _ in self.hosts]
+        self.table_lengths: list[list[int]] = [[0] * max_seqs for _ in self.hosts]
         if device.type == "cpu":
             self.gpu = self.hosts[0]
         else:
             self.gpu = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
 
     def load(
         self,
@@ -68,41 +75,20 @@ class StepInputs:
         attention zeroes them. `in_flight` holds the token ids sampled by the previous step, for
         sequences whose last token is a placeholder.
         """
-        host = self.hosts[self.turn]
-        bs = self.block_size
-        np_ = self.host_arrays[self.turn]
+        host, arrays = self.hosts[self.turn], self.host_arrays[self.turn]
         num_seqs = len(chunks)
-        t = 0
-        np_["query_start_loc"][0] = 0
-        logits = carried = 0
-        ids, pos, slots, tables = np_["input_ids"], np_["positions"], np_["slot_mapping"], np_["block_tables"]
-        written = self.rows_written[self.turn]
-        for i, chunk in enumerate(chunks):
-            seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
-            table = seq.block_table
-            row_key = (seq.seq_id, seq.table_version, len(table))
-            if written[i] != row_key:  # tables only grow, so an unchanged key means an unchanged row
-                tables[i, : len(table)] = table
-                written[i] = row_key
-            if n == 1:  # decode: scalar writes beat numpy calls
-                ids[t] = seq.token_ids[start]
-                pos[t] = start
-                slots[t] = table[start // bs] * bs + start % bs
-            else:
-                positions = np.arange(start, start + n)
-                ids[t : t + n] = seq.token_ids[start : start + n]
-                pos[t : t + n] = positions
-                slots[t : t + n] = tables[i, positions // bs].astype(np.int64) * bs + positions % bs
-            if seq.token_ids[start + n - 1] == PLACEHOLDER:
-                np_["carry_to"][carried] = t + n - 1
-                np_["carry_from"][carried] = seq.sample_row
-                carried += 1
-            t += n
-            np_["seq_lens"][i] = start + n
-            np_["query_start_loc"][i + 1] = t
-            if chunk.samples:
-                np_["logits_indices"][logits] = t - 1
-                logits += 1
+        self._write_tables(chunks)
+        arrays["query_start_loc"][0] = 0
+        if num_seqs < VECTORIZE_FROM:
+            t, logits, carried = self._write_each(chunks, arrays)
+        else:
+            t, logits, carried = self._write_vectorized(chunks, arrays)
+        ids, pos, slots, qsl = (
+            arrays["input_ids"],
+            arrays["positions"],
+            arrays["slot_mapping"],
+            arrays["query_start_loc"],
+        )
         if pad_tokens_to is not None and pad_tokens_to > t:
             ids[t:pad_tokens_to] = 0
             pos[t:pad_tokens_to] = 0
@@ -110,14 +96,14 @@ class StepInputs:
             t = pad_tokens_to
         if pad_seqs_to is not None and pad_seqs_to > num_seqs:
             pad = pad_seqs_to - num_seqs
-            np_["input_ids"][t : t + pad] = 0
-            np_["positions"][t : t + pad] = 0
-            np_["slot_mapping"][t : t + pad] = -1
-            np_["block_tables"][num_seqs:pad_seqs_to] = 0
-            written[num_seqs:pad_seqs_to] = [None] * pad
-            np_["seq_lens"][num_seqs:pad_seqs_to] = 1
-            np_["query_start_loc"][num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
-            np_["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
+            ids[t : t + pad] = 0
+            pos[t : t + pad] = 0
+            slots[t : t + pad] = -1
+            arrays["block_tables"][num_seqs:pad_seqs_to] = 0
+            self.tables_written[self.turn][num_seqs:pad_seqs_to] = [None] * pad
+            arrays["seq_lens"][num_seqs:pad_seqs_to] = 1
+            qsl[num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
+            arrays["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
             t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
         self.turn = (self.turn + 1) % len(self.hosts)
         self._upload(host, t, num_seqs, logits, carried)
@@ -127,6 +113,88 @@ class StepInputs:
             rows = in_flight.index_select(0, self.gpu["carry_from"][:carried])
             self.gpu["input_ids"].index_copy_(0, self.gpu["carry_to"][:carried], rows)
         return t, num_seqs, logits
+
+    def _write_tables(self, chunks: list[ScheduledChunk]) -> None:
+        """Copy into the block-table rows only what changed since this host set last held them."""
+        tables = self.host_arrays[self.turn]["block_tables"]
+        written, lengths = self.tables_written[self.turn], self.table_lengths[self.turn]
+        for i, chunk in enumerate(chunks):
+            table = chunk.seq.block_table
+            if written[i] is not table:
+                tables[i, : len(table)] = table
+                written[i], lengths[i] = table, len(table)
+            elif lengths[i] != len(table):
+                tables[i, lengths[i] : len(table)] = table[lengths[i] :]
+                lengths[i] = len(table)
+
+    def _write_each(self, chunks: list[ScheduledChunk], arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
+        """Token rows one sequence at a time: for a few sequences, scalar writes beat numpy calls."""
+        bs = self.block_size
+        ids, pos, slots, tables = (
+            arrays["input_ids"],
+            arrays["positions"],
+            arrays["slot_mapping"],
+            arrays["block_tables"],
+        )
+        t = logits = carried = 0
+        for i, chunk in enumerate(chunks):
+            seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
+            if n == 1:
+                ids[t] = seq.token_ids[start]
+                pos[t] = start
+                slots[t] = seq.block_table[start // bs] * bs + start % bs
+            else:
+                positions = np.arange(start, start + n)
+                ids[t : t + n] = seq.token_ids[start : start + n]
+                pos[t : t + n] = positions
+                slots[t : t + n] = tables[i, positions // bs].astype(np.int64) * bs + positions % bs
+            if seq.token_ids[start + n - 1] == PLACEHOLDER:
+                arrays["carry_to"][carried] = t + n - 1
+                arrays["carry_from"][carried] = seq.sample_row
+                carried += 1
+            t += n
+            arrays["seq_lens"][i] = start + n
+            arrays["query_start_loc"][i + 1] = t
+            if chunk.samples:
+                arrays["logits_indices"][logits] = t - 1
+                logits += 1
+        return t, logits, carried
+
+    def _write_vectorized(self, chunks: list[ScheduledChunk], arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
+        """Token rows for many sequences: each per-sequence value is gathered in one pass, the rest is numpy."""
+        ids, pos = arrays["input_ids"], arrays["positions"]
+        num_seqs = len(chunks)
+        seqs = [c.seq for c in chunks]
+        starts = [c.start for c in chunks]
+        lens = [c.num_tokens for c in chunks]
+        t = sum(lens)
+        if t == num_seqs:  # decodes only: one token each, at its start
+            ids[:t] = [seq.token_ids[start] for seq, start in zip(seqs, starts, strict=True)]
+            pos[:t] = starts
+            rows = last = self.iota[:t]
+            ends = self.iota[1 : t + 1]
+        else:
+            ends = np.cumsum(lens)
+            for seq, start, n, end in zip(seqs, starts, lens, ends.tolist(), strict=True):
+                ids[end - n : end] = seq.token_ids[start : start + n]
+            rows = np.repeat(self.iota[:num_seqs], lens)
+            pos[:t] = self.iota[:t] - (ends - lens - starts)[rows]
+            last = ends - 1
+        positions = pos[:t]
+        blocks = arrays["block_tables"][rows, positions // self.block_size]
+        arrays["slot_mapping"][:t] = blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        arrays["seq_lens"][:num_seqs] = positions[last] + 1
+        arrays["query_start_loc"][1 : num_seqs + 1] = ends
+        # A last token still on the device (PLACEHOLDER) comes from the in-flight step's samples.
+        waiting = ids[last] == PLACEHOLDER
+        carried = int(np.count_nonzero(waiting))
+        if carried:
+            arrays["carry_to"][:carried] = last[waiting]
+            arrays["carry_from"][:carried] = np.array([s.sample_row for s in seqs], dtype=np.int64)[waiting]
+        samples = [c.samples for c in chunks]
+        sampled = last if all(samples) else last[np.array(samples, dtype=bool)]
+        arrays["logits_indices"][: len(sampled)] = sampled
+        return t, len(sampled), carried
 
     def _upload(self, host: dict[str, Tensor], tokens: int, seqs: int, logits: int, carried: int) -> None:
         if self.gpu is host:
