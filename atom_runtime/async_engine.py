@@ -38,7 +38,7 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class _Completion:
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: text not asked for (detokenize=False)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -48,7 +48,7 @@ class _Completion:
     def output(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.releasable(self.finish_reason is not None),
+            text=self.detokenizer.releasable(self.finish_reason is not None) if self.detokenizer is not None else "",
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
@@ -202,7 +202,9 @@ class AsyncEngine:
             [
                 _Completion(
                     i,
-                    IncrementalDetokenizer(self.backend_tokenizer, prompt_token_ids, params),
+                    IncrementalDetokenizer(self.backend_tokenizer, prompt_token_ids, params)
+                    if params.detokenize
+                    else None,
                     logprobs=[] if params.logprobs is not None else None,
                 )
                 for i in range(params.n)
@@ -254,15 +256,17 @@ class AsyncEngine:
                 continue  # already ended by a stop string; the core has been told
             completion.token_ids.append(token)
             if completion.logprobs is not None and output.sampled.logprobs is not None:
-                self._add_logprobs(completion, token, output.sampled, row, state.params.logprobs)
-            stop = completion.detokenizer.add(token)
+                self._add_logprobs(completion, token, output.sampled, row, state.params)
+            detokenizer = completion.detokenizer
+            stop = detokenizer.add(token) if detokenizer is not None else None
             if stop is not None:
                 completion.finish_reason, completion.stop_reason = "stop", stop
                 ended.add(seq.request_id)
                 if row not in finished:
                     self._commands.put(("abort", (seq.request_id, seq.index)))
             elif finished and row in finished:
-                completion.detokenizer.flush()
+                if detokenizer is not None:
+                    detokenizer.flush()
                 completion.finish_reason, completion.stop_reason = finished[row]
                 ended.add(seq.request_id)
             state.metrics.num_cached_tokens = seq.num_cached_tokens
@@ -278,13 +282,14 @@ class AsyncEngine:
                 state.queue.put_nowait(state.output())
 
     def _add_logprobs(
-        self, completion: _Completion, token: int, sampled: SampledTokens, row: int, num_logprobs: int
+        self, completion: _Completion, token: int, sampled: SampledTokens, row: int, params: SamplingParams
     ) -> None:
-        keep = 1 + num_logprobs
+        keep = 1 + params.logprobs
         ids, values = sampled.logprob_token_ids[row][:keep], sampled.logprobs[row][:keep]
-        entry = {token: Logprob(values[0], sampled.ranks[row], self._decode_one(token))}
+        decode = self._decode_one if params.detokenize else lambda _: None
+        entry = {token: Logprob(values[0], sampled.ranks[row], decode(token))}
         for rank, (top, value) in enumerate(zip(ids[1:], values[1:], strict=True), 1):
-            entry.setdefault(top, Logprob(value, rank, self._decode_one(top)))
+            entry.setdefault(top, Logprob(value, rank, decode(top)))
         completion.logprobs.append(entry)
         completion.cumulative_logprob += values[0]
 

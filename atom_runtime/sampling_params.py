@@ -34,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per generated token, besides the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: outputs carry token ids only (no text), sparing per-token decoding
 
     def __post_init__(self) -> None:
         self.refresh()
@@ -71,3 +72,4 @@ class SamplingParams:
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
         check(0 < self.repetition_penalty <= 2, "repetition_penalty", "repetition_penalty must be in (0, 2]")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+        check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")

@@ -72,3 +72,14 @@ def test_temperature_sampling_is_seeded(llm):
 def test_max_tokens(llm):
     out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
+    with_text = llm.generate(PROMPTS, GREEDY)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False, logprobs=2)
+    without = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in without] == [o.outputs[0].token_ids for o in with_text]
+    assert all(o.outputs[0].text == "" and o.outputs[0].finish_reason == "length" for o in without)
+    assert all(lp.decoded_token is None for entry in without[0].outputs[0].logprobs for lp in entry.values())
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
