@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -19,15 +20,23 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = ["Hello there", "The quick brown fox", "x", "a b c d e f g h i j k l m n o p q r s t u v w x y z"]
 
 CHILD = """
-import json, sys
+import inspect, json, sys
 import triton.compiler.compiler as compiler
 
-compiles = []
+compiles, keys = [], {{}}
 make_ir = compiler.ASTSource.make_ir
 def counting_make_ir(self, *args, **kwargs):
     compiles.append(f"{{self.fn.__name__}} {{self.signature}} {{self.constants}} {{self.attrs}}")
     return make_ir(self, *args, **kwargs)
 compiler.ASTSource.make_ir = counting_make_ir
+get_cache_key = compiler.get_cache_key
+def recording_get_cache_key(*args, **kwargs):
+    src, backend, options, env_vars = inspect.signature(get_cache_key).bind(*args, **kwargs).arguments.values()
+    keys[f"{{src.fn.__name__}} {{src.signature}} {{src.constants}} {{src.attrs}}"] = dict(
+        src=src.hash(), backend=backend.hash(), env=str(sorted(env_vars.items())),
+        **{{f"option {{k}}": str(v) for k, v in vars(options).items()}})
+    return get_cache_key(*args, **kwargs)
+compiler.get_cache_key = recording_get_cache_key
 
 from atom_runtime import LLM, SamplingParams
 # 8-token steps: the long prompt prefills in chunks, beside the others' decodes (piecewise graphs)
@@ -38,6 +47,7 @@ import os, pathlib
 cache = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
 groups = sorted(str(g.relative_to(cache)) for g in cache.glob("*/__grp__*"))
 print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled": compiles, "cache_groups": groups,
+                  "keys": {{c: keys.get(c) for c in compiles}},
                   "graphs": [sorted(runner.graphs.graphs), runner.piecewise.num_graphed]}}))
 """
 
@@ -46,14 +56,25 @@ print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled":
 def test_cuda_artifact_serves_without_compiling(which, request, tmp_path, monkeypatch):
     import triton.compiler.compiler as compiler
 
-    exported = []  # what the export compiled, to show next to what serving compiled if they differ
-    make_ir = compiler.ASTSource.make_ir
+    exported, export_keys = [], {}  # what the export compiled, and its cache-key parts, to compare with serving's
+    make_ir, get_cache_key = compiler.ASTSource.make_ir, compiler.get_cache_key
 
     def recording_make_ir(self, *args, **kwargs):
         exported.append(f"{self.fn.__name__} {self.signature} {self.constants} {self.attrs}")
         return make_ir(self, *args, **kwargs)
 
+    def recording_get_cache_key(*args, **kwargs):
+        src, backend, options, env_vars = inspect.signature(get_cache_key).bind(*args, **kwargs).arguments.values()
+        export_keys[f"{src.fn.__name__} {src.signature} {src.constants} {src.attrs}"] = dict(
+            src=src.hash(),
+            backend=backend.hash(),
+            env=str(sorted(env_vars.items())),
+            **{f"option {k}": str(v) for k, v in vars(options).items()},
+        )
+        return get_cache_key(*args, **kwargs)
+
     monkeypatch.setattr(compiler.ASTSource, "make_ir", recording_make_ir)
+    monkeypatch.setattr(compiler, "get_cache_key", recording_get_cache_key)
     checkpoint = request.getfixturevalue(f"tiny_{which}")
     artifact = tmp_path / "artifact"
     ac.export(checkpoint, artifact, device="cuda", level=3)
@@ -70,9 +91,18 @@ def test_cuda_artifact_serves_without_compiling(which, request, tmp_path, monkey
     shipped = sorted(
         str(g.relative_to(artifact / "triton_cache")) for g in (artifact / "triton_cache").glob("*/__grp__*")
     )
+    key_differences = {
+        kernel.split(" ")[0]: {
+            part: (export_keys.get(kernel, {}).get(part), value)
+            for part, value in (serving or {}).items()
+            if export_keys.get(kernel, {}).get(part) != value
+        }
+        for kernel, serving in result["keys"].items()
+    }
     assert result["compiled"] == [], (
-        f"Triton compiled kernels while serving: {result['compiled']}\nexport compiled: {exported}\n"
-        f"shipped kernel groups: {shipped}\nserving cache groups: {result['cache_groups']}"
+        f"Triton compiled kernels while serving: {len(result['compiled'])}; cache-key parts that differ from the "
+        f"export's (export, serving): {key_differences}\nshipped kernel groups: {shipped}\n"
+        f"serving cache groups: {result['cache_groups']}"
     )
     eager = LLM(checkpoint, device="cuda", enforce_eager=True)
     try:
