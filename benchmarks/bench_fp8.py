@@ -5,11 +5,18 @@
     python benchmarks/bench_fp8.py --stages decode --preset llama-3-8b  # bf16 vs FP8 per-channel vs block-128
     python benchmarks/bench_fp8.py --stages offline --offline-prompts 200
 
-gemm: for each Llama-3-8B projection (N x K) and M rows, the median time (triton.testing.do_bench,
-L2 cleared between runs) of bf16 cuBLAS, FP8 cuBLASLt via torch._scaled_mm (row-wise and
-tensor-wise scales), and our Triton GEMM (128x128 block scales, and per-channel scales), against
-the roofline: bytes the GEMM must read and write (FP8 weight, its scales, x and out) over the
-copy bandwidth measured in the same run. decode / offline: artifacts with random weights, exported
+gemm: for each Llama-3-8B projection (N x K) and M rows, the median time of bf16 cuBLAS, FP8
+cuBLASLt via torch._scaled_mm (row-wise and tensor-wise scales), our Triton tile GEMM and the
+skinny decode GEMM (each with 128x128 block scales and per-channel scales; the skinny one for
+M <= gemm.SKINNY_MAX_M, where the dispatch picks it), against the roofline: bytes the GEMM must
+read and write (FP8 weight, its scales, x and out) over the copy bandwidth measured in the same
+run. `--timer graph` (the default) times CUDA-graph replays that call the GEMM once on each of
+several weight copies, MIN_REPLAY_BYTES in all, so the weight streams from HBM with no launch
+overhead between calls, as in a decode step; `--timer do_bench` times single calls (L2 flushed).
+`--sweep` adds the best tile-kernel config and, for the skinny kernel at `--sweep-ms`, every
+config of `skinny_sweep_configs` next to its default (`gemm.skinny_config`), printed as a second
+table (best config per shape, M and layout) and written to the JSON rows as `skinny_{block,channel}_sweep`
+(every config's time). decode / offline: artifacts with random weights, exported
 bf16, FP8 online per-channel (`--quantization fp8`) and FP8 block-128 (a config.json carrying an
 fp8 `quantization_config`), each timed by `bench_decode.py` / `bench_offline.py` in a subprocess.
 Prints tables and writes JSON.
@@ -31,6 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from bench_common import copy_bandwidth, device_name, print_table, write_json
+from triton.runtime.errors import OutOfResources
 
 import atom_compile
 from atom_models.checkpoints import make_config_only
@@ -48,8 +56,32 @@ VARIANTS = {
 }
 
 
-def median_us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+# Graph replays read at least this many bytes of weight copies, so L2 (50 MB on H100) serves none of them.
+MIN_REPLAY_BYTES = 256 * 2**20
+
+
+def median_us(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def graph_us(calls: list) -> float:
+    """Median time of one call, from replays of a CUDA graph that runs every call once."""
+    for call in calls:
+        call()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return median_us(graph.replay, 5, 20) / len(calls)
+
+
+def timed(timer: str, weight: torch.Tensor, call) -> float:
+    """Microseconds of `call(weight)`: graph replays over copies of the weight, or do_bench of one call."""
+    if timer == "do_bench":
+        return median_us(partial(call, weight))
+    copies = [weight] + [weight.clone() for _ in range(triton.cdiv(MIN_REPLAY_BYTES, weight.nbytes) - 1)]
+    return graph_us([partial(call, copy) for copy in copies])
 
 
 def sweep_configs(m: int) -> list[gemm.GemmConfig]:
@@ -61,7 +93,43 @@ def sweep_configs(m: int) -> list[gemm.GemmConfig]:
     ]
 
 
-def time_shape(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float) -> dict:
+def skinny_sweep_configs(m: int, block: bool) -> list[gemm.SkinnyConfig]:
+    """The one-token GEMV's tiles (M = 1), and the MMA's tile widths, K tiles, K splits and depths."""
+    gemv = [
+        gemm.SkinnyConfig(block_n, block_k, 1, warps, stages, False)
+        for block_n, block_k, warps, stages in product((8, 16), (512, 1024), (2, 4), (2, 4))
+    ]
+    mma = [
+        gemm.SkinnyConfig(block_n, block_k, split_k, 4, stages, True)
+        for block_n, block_k, split_k, stages in product(
+            (64, 128), (128,) if block else (256, 512), (1, 2, 4, 8), (4, 5, 6)
+        )
+    ]
+    return (gemv if m == 1 else []) + mma
+
+
+def config_name(config: gemm.SkinnyConfig) -> str:
+    kind = "mma" if config.dot else "gemv"
+    return f"{kind} n{config.block_n} k{config.block_k} split{config.split_k} w{config.num_warps} s{config.num_stages}"
+
+
+def sweep_skinny(timer: str, weight: torch.Tensor, run, m: int, block: bool) -> dict:
+    """Every skinny config (that fits in shared memory) of one weight layout, best first."""
+    results = []
+    for config in skinny_sweep_configs(m, block):
+        try:
+            results.append((timed(timer, weight, partial(run, config=config)), config))
+        except OutOfResources:
+            continue
+    results.sort(key=lambda t: t[0])
+    return {
+        "best_us": results[0][0],
+        "best_config": config_name(results[0][1]),
+        "all": [{"us": us, **asdict(config)} for us, config in results],
+    }
+
+
+def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, bandwidth: float) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x_q, x_scale = quant_fp8_per_token_reference(x)
@@ -69,8 +137,16 @@ def time_shape(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float)
     w_channel, s_channel = quantize_weight(w, "per_channel")
     w_tensor, s_tensor = quantize_weight(w, "per_tensor")
     w_block, s_block = quantize_weight(w, "block", (128, 128))
-    out = torch.bfloat16
-    block = partial(gemm.run_scaled_mm, x_q, x_scale, w_block, s_block, None, out, (128, 128))
+    out, timer = torch.bfloat16, args.timer
+    # layout -> (weight, its scales, scale block): the two the tile and skinny kernels are timed on
+    layouts = {"block": (w_block, s_block, (128, 128)), "channel": (w_channel, s_channel, (1, k))}
+
+    def tile(w_, scale, scale_block, config=None):
+        return gemm.run_scaled_mm(x_q, x_scale, w_, scale, None, out, scale_block, config)
+
+    def skinny(w_, scale, scale_block, config=None):
+        return gemm.run_skinny_mm(x_q, x_scale, w_, scale, None, out, scale_block, config)
+
     row = {
         "shape": name,
         "n": n,
@@ -78,19 +154,32 @@ def time_shape(name: str, n: int, k: int, m: int, sweep: bool, bandwidth: float)
         "m": m,
         "roofline_us": (n * k + m * k + 2 * m * n) / bandwidth * 1e6,
         "bf16_roofline_us": (2 * n * k + 2 * m * k + 2 * m * n) / bandwidth * 1e6,
-        "bf16_us": median_us(partial(F.linear, x, w)),
-        "cublas_rowwise_us": median_us(partial(gemm.cublas_scaled_mm, x_q, x_scale, w_channel, s_channel, out)),
-        "cublas_tensorwise_us": median_us(partial(gemm.cublas_scaled_mm, x_q, x_tensor_scale, w_tensor, s_tensor, out)),
-        "triton_block_us": median_us(block),
-        "triton_channel_us": median_us(
-            partial(gemm.run_scaled_mm, x_q, x_scale, w_channel, s_channel, None, out, (1, k))
+        "bf16_us": timed(timer, w, partial(F.linear, x)),
+        "cublas_rowwise_us": timed(
+            timer, w_channel, partial(gemm.cublas_scaled_mm, x_q, x_scale, w_scale=s_channel, out_dtype=out)
+        ),
+        "cublas_tensorwise_us": timed(
+            timer, w_tensor, partial(gemm.cublas_scaled_mm, x_q, x_tensor_scale, w_scale=s_tensor, out_dtype=out)
         ),
     }
-    row["triton_block_of_roofline"] = row["roofline_us"] / row["triton_block_us"]
-    if sweep:
-        best_us, best = min(((median_us(partial(block, config=c)), c) for c in sweep_configs(m)), key=lambda t: t[0])
+    for layout, (weight, scale, scale_block) in layouts.items():
+        row[f"triton_{layout}_us"] = timed(timer, weight, partial(tile, scale=scale, scale_block=scale_block))
+        if m <= gemm.SKINNY_MAX_M:
+            run = partial(skinny, scale=scale, scale_block=scale_block)
+            row[f"skinny_{layout}_us"] = timed(timer, weight, run)
+            row[f"skinny_{layout}_config"] = config_name(gemm.skinny_config(m, n, k, scale_block[1], weight.device))
+            if args.sweep and m in args.sweep_ms:
+                row[f"skinny_{layout}_sweep"] = sweep_skinny(timer, weight, run, m, layout == "block")
+    # what the dispatch runs: skinny up to SKINNY_MAX_M, then the tile kernel (block) and cuBLASLt (per channel)
+    row["block_of_roofline"] = row["roofline_us"] / row.get("skinny_block_us", row["triton_block_us"])
+    row["channel_of_roofline"] = row["roofline_us"] / row.get("skinny_channel_us", row["cublas_rowwise_us"])
+    if args.sweep:
+        tile_block = partial(tile, scale=s_block, scale_block=(128, 128))
+        best_us, best = min(
+            ((timed(timer, w_block, partial(tile_block, config=c)), c) for c in sweep_configs(m)), key=lambda t: t[0]
+        )
         row["sweep_best_us"], row["sweep_best_config"] = best_us, asdict(best)
-    print(f"{name} {n}x{k} M={m}: block {row['triton_block_us']:.1f} us, roofline {row['roofline_us']:.1f} us")
+    print(f"{name} {n}x{k} M={m}: roofline {row['roofline_us']:.1f} us, block {row['block_of_roofline']:.2f} of it")
     return row
 
 
@@ -118,7 +207,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", default=["gemm", "decode"], choices=["gemm", "decode", "offline"])
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="GEMM rows")
+    parser.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES], help="projections to time")
     parser.add_argument("--sweep", action="store_true", help="time every Triton tile config too")
+    parser.add_argument(
+        "--sweep-ms", type=int, nargs="+", default=[1, 16, 32, 64], help="M of the skinny sweep (one a tile height)"
+    )
+    parser.add_argument("--timer", choices=["graph", "do_bench"], default="graph")
     parser.add_argument("--preset", default="llama-3-8b")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--offline-prompts", type=int, default=1000)
@@ -127,7 +221,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     result: dict = {"copy_bandwidth": bandwidth}
     if "gemm" in args.stages:
-        rows = [time_shape(*shape, m, args.sweep, bandwidth) for shape, m in product(SHAPES, args.ms)]
+        shapes = [shape for shape in SHAPES if shape[0] in args.shapes]
+        rows = [time_shape(*shape, m, args, bandwidth) for shape, m in product(shapes, args.ms)]
         result["gemm"] = rows
         columns = [
             ("shape", "shape", "s"),
@@ -138,11 +233,45 @@ def main() -> None:
             ("cublas_tensorwise_us", "cuBLAS tensor us", ".1f"),
             ("triton_block_us", "Triton block us", ".1f"),
             ("triton_channel_us", "Triton chan us", ".1f"),
-            ("triton_block_of_roofline", "block/roofline", ".2f"),
+            ("skinny_block_us", "skinny block us", ".1f"),
+            ("skinny_channel_us", "skinny chan us", ".1f"),
+            ("block_of_roofline", "block/roofline", ".2f"),
+            ("channel_of_roofline", "chan/roofline", ".2f"),
         ]
         if args.sweep:
-            columns.append(("sweep_best_us", "sweep best us", ".1f"))
-        print_table(f"FP8 GEMM, {device_name()}, copy {bandwidth / 1e12:.2f} TB/s", rows, columns)
+            columns.append(("sweep_best_us", "tile sweep best us", ".1f"))
+        title = f"FP8 GEMM ({args.timer}), {device_name()}, copy {bandwidth / 1e12:.2f} TB/s"
+        print_table(title, rows, columns)
+        if args.sweep:
+            swept = [
+                {
+                    "shape": r["shape"],
+                    "m": r["m"],
+                    "layout": layout,
+                    "default_us": r[f"skinny_{layout}_us"],
+                    "default_config": r[f"skinny_{layout}_config"],
+                    **r[f"skinny_{layout}_sweep"],
+                }
+                for r in rows
+                for layout in ("block", "channel")
+                if f"skinny_{layout}_sweep" in r
+            ]
+            for r in swept:
+                r["default_of_best"] = r["best_us"] / r["default_us"]
+            print_table(
+                f"skinny GEMM sweep ({args.timer}), {device_name()}: default config (gemm.skinny_config) vs best",
+                swept,
+                [
+                    ("shape", "shape", "s"),
+                    ("m", "M", "d"),
+                    ("layout", "layout".rjust(7), ">7"),
+                    ("default_us", "default us", ".1f"),
+                    ("default_config", "default config".rjust(32), ">32"),
+                    ("best_us", "best us", ".1f"),
+                    ("best_config", "best config".rjust(32), ">32"),
+                    ("default_of_best", "best/default", ".2f"),
+                ],
+            )
     if {"decode", "offline"} & set(args.stages):
         with tempfile.TemporaryDirectory() as tmp:
             artifacts = export_variants(args.preset, Path(tmp))

@@ -29,7 +29,7 @@ from atom_models.ops.quant import (
 )
 
 triton = pytest.importorskip("triton")
-from atom_models.ops.triton_kernels import attention, gemm, rotary_cache  # noqa: E402
+from atom_models.ops.triton_kernels import attention, common, gemm, rotary_cache  # noqa: E402
 from tests.test_triton_kernels import (  # noqa: E402, F401  (the fixture applies to this module too)
     ATTN_TOL,
     CUDA,
@@ -122,8 +122,11 @@ def gemm_inputs(m: int, n: int, k: int, scheme: str, block, static: bool = False
     return x_q, x_scale, w_q, w_scale, randn(n)
 
 
-# (m, n, k): decode and prefill rows, N and K not multiples of the 128 block (partial edge blocks)
-GEMM_SHAPES = [(1, 200, 300), (5, 136, 256), (33, 64, 130)] + ([(64, 14336, 4096), (300, 4096, 1000)] if CUDA else [])
+# (m, n, k): decode rows (the skinny kernel) and prefill rows (the tile kernel), N and K not multiples
+# of the 128 block (partial edge blocks)
+GEMM_SHAPES = [(1, 200, 300), (5, 136, 256), (33, 64, 130), (80, 48, 260)] + (
+    [(64, 14336, 4096), (300, 4096, 1000)] if CUDA else []
+)
 
 
 @pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
@@ -152,20 +155,106 @@ def test_triton_gemm_small_k_blocks():
     assert_close(out, scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 16, 32))
 
 
+# decode-sized M at N and K that are not powers of two: partial N tiles, and K tiles that cross the end
+@pytest.mark.parametrize("m", [1, 3, 7, 16])
+@pytest.mark.parametrize("n,k", [(96, 384), (160, 256)])
+@pytest.mark.parametrize("scheme", ["per_channel", "block"])
+def test_skinny_gemm(m, n, k, scheme):
+    """Both dispatch functions send decode-sized M to the skinny kernel (its default launch)."""
+    block = (128, 128) if scheme == "block" else None
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, block)
+    if block:
+        out = gemm.scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, DTYPE, *block)
+        ref = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, *block)
+    else:
+        out = gemm.scaled_mm(x_q, x_scale, w_q, w_scale, bias, DTYPE)
+        ref = scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE)
+    assert_close(out, ref)
+
+
+SKINNY_CASES = [  # (m, config): split K into uneven slices, narrow and wide tiles, the one-token GEMV
+    (5, gemm.SkinnyConfig(32, 128, 3, 4, 3, True)),
+    (2, gemm.SkinnyConfig(64, 64, 4, 4, 2, True)),
+    (1, gemm.SkinnyConfig(16, 256, 2, 2, 2, False)),
+    (1, gemm.SkinnyConfig(8, 512, 1, 2, 3, False)),  # a K tile spanning several block scales
+]
+
+
+@pytest.mark.parametrize("m,config", SKINNY_CASES)
+@pytest.mark.parametrize("scheme,static", [("block", False), ("per_channel", False), ("per_tensor", True)])
+def test_skinny_gemm_configs(m, config, scheme, static):
+    block = (128, 128) if scheme == "block" else None
+    n, k = 72, 448
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, block, static)
+    out = gemm.run_skinny_mm(x_q, x_scale, w_q, w_scale, bias, DTYPE, block or (1, k), config)
+    if block:
+        ref = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, *block)
+    else:
+        ref = scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE)
+    assert_close(out, ref)
+    # the slice that merged each N tile reset its ticket, ready for the next launch
+    assert not common.ticket_counters(x_q.device, 1).any()
+
+
+def test_skinny_gemm_rejects_mismatched_tiles():
+    x_q, x_scale, w_q, w_scale, _ = gemm_inputs(2, 64, 256, "block", (128, 128))
+    with pytest.raises(ValueError, match="one token"):
+        gemm.run_skinny_mm(
+            x_q, x_scale, w_q, w_scale, None, DTYPE, (128, 128), gemm.SkinnyConfig(8, 256, 1, 2, 2, False)
+        )
+    with pytest.raises(ValueError, match="must divide"):
+        gemm.run_skinny_mm(
+            x_q, x_scale, w_q, w_scale, None, DTYPE, (128, 128), gemm.SkinnyConfig(64, 256, 1, 4, 2, True)
+        )
+
+
+@gpu_only
+@pytest.mark.parametrize("scheme", ["per_channel", "block"])
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (8, 4096, 14336), (64, 28672, 4096), (33, 4096, 4096)])
+def test_skinny_gemm_gpu_shapes(m, n, k, scheme):
+    block = (128, 128) if scheme == "block" else None
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, block)
+    out = gemm.run_skinny_mm(x_q, x_scale, w_q, w_scale, bias, DTYPE, block or (1, k))
+    if block:
+        ref = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, *block)
+    else:
+        ref = scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE)
+    assert_close(out, ref)
+
+
+@gpu_only
+def test_skinny_gemm_cuda_graph():
+    """Captured once and replayed on new activations: split-K merges stay right (tickets reset)."""
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(4, 4096, 4096, "block", (128, 128))
+    assert gemm.skinny_config(4, 4096, 4096, 128, x_q.device).split_k > 1
+    gemm.scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemm.scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)
+    for _ in range(3):
+        new_q, new_scale = quant_fp8_per_token_reference(randn(4, 4096, dtype=torch.float32, scale=3.0))
+        x_q.copy_(new_q)
+        x_scale.copy_(new_scale)
+        graph.replay()
+        assert_close(out, scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128))
+
+
 @gpu_only
 @pytest.mark.parametrize("scheme,static", [("per_tensor", True), ("per_channel", False), ("per_tensor", False)])
 @pytest.mark.parametrize("m,n,k", [(1, 14336, 4096), (16, 4096, 14336), (200, 6144, 4096)])
 def test_cublas_scaled_mm(m, n, k, scheme, static):
-    """torch._scaled_mm: tensor-wise (static x, per-tensor w) or row-wise (anything per row)."""
+    """The dispatch: the skinny kernel up to SKINNY_MAX_M rows, then torch._scaled_mm, tensor-wise
+    (static x, per-tensor w) or row-wise (anything per row)."""
     x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, None, static)
     out = gemm.scaled_mm(x_q, x_scale, w_q, w_scale, bias, torch.bfloat16)
     assert_close(out, scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, torch.bfloat16))
 
 
 @gpu_only
-def test_cublas_scaled_mm_packed_per_tensor_rows():
+@pytest.mark.parametrize("m", [8, 80])
+def test_cublas_scaled_mm_packed_per_tensor_rows(m):
     """A packed layer's per-shard scales on its rows: row-wise even though each shard is per tensor."""
-    x_q, x_scale, w_q, _, _ = gemm_inputs(8, 3072, 4096, "per_tensor", None)
+    x_q, x_scale, w_q, _, _ = gemm_inputs(m, 3072, 4096, "per_tensor", None)
     w_scale = torch.cat([torch.full((1024, 1), s, device=DEVICE) for s in (0.01, 0.02, 0.03)])
     out = gemm.scaled_mm(x_q, x_scale, w_q, w_scale, None, torch.bfloat16)
     assert_close(out, scaled_mm_reference(x_q, x_scale, w_q, w_scale, None, torch.bfloat16))

@@ -29,7 +29,7 @@ from atom_models.ops.quant import (
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_embedding_reference
 
 triton = pytest.importorskip("triton")
-from atom_models.ops.triton_kernels import activation, attention, norm, quant, rotary_cache  # noqa: E402
+from atom_models.ops.triton_kernels import activation, attention, common, norm, quant, rotary_cache  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -297,7 +297,7 @@ def test_paged_attention_split_tickets_reset():
     """The last decode split resets its arrival counter, so back-to-back calls merge correctly."""
     for lens in ([(1, 23), (1, 5), (3, 9)], [(1, 40), (2, 7), (1, 12), (1, 2)]):
         check_attention(4, 2, 16, 4, lens)
-    assert not attention._ticket_counters(torch.empty(0, device=DEVICE).device, 1).any()
+    assert not common.ticket_counters(torch.empty(0, device=DEVICE).device, 1).any()
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (8, 1, 32, 16), (4, 4, 16, 8)])

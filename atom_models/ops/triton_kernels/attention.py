@@ -18,7 +18,7 @@ axis 0 holds two kinds of program:
 
 One launch, because at batch 1 a decode step's KV read takes only a few microseconds, about what
 a second launch and its dependency cost. The price: both paths share one register budget, and
-the split counters persist between launches (see `_ticket_counters`).
+the split counters persist between launches (see `common.ticket_counters`).
 
 An FP8 cache is read with its per-tensor scales folded in: k_scale into the softmax scale, v_scale
 into the output (see `atom_models.ops.attention`).
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
+from atom_models.ops.triton_kernels.common import ticket_counters
 
 LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
@@ -547,23 +548,6 @@ def _attention_kernel(
         )
 
 
-_tickets: dict[torch.device, Tensor] = {}
-
-
-def _ticket_counters(device: torch.device, count: int) -> Tensor:
-    """Per-(sequence, KV head) arrival counters of the decode splits.
-
-    They are zero between launches (the last split to arrive resets its counter), so they are
-    allocated and zeroed once per device, not per call: no memset in the step. The one buffer
-    serves every launch on the device, so launches must not overlap (one stream).
-    """
-    tickets = _tickets.get(device)
-    if tickets is None or tickets.numel() < count:
-        tickets = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-        _tickets[device] = tickets
-    return tickets
-
-
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -599,7 +583,7 @@ def run_paged_attention(
     num_splits = min(MAX_SPLITS, triton.cdiv(config.decode_waves * _multiprocessors(q.device), num_seqs * num_kv_heads))
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    tickets = _ticket_counters(q.device, num_seqs * num_kv_heads)
+    tickets = ticket_counters(q.device, num_seqs * num_kv_heads)
     kv_scales = kv_cache.dtype == FP8_DTYPE and k_scale is not None
     # Only decode tokens (one a sequence; the runtime never schedules an empty one): no tile programs,
     # and a specialisation without the prefill path, which needs far fewer registers.

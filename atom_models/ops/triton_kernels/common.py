@@ -1,4 +1,4 @@
-"""Helpers shared by the row-wise kernels: dtype mapping, launch sizes, the fp8 row quantizer."""
+"""Helpers shared by the kernels: dtype mapping, launch sizes, the fp8 row quantizer, split-arrival counters."""
 
 from __future__ import annotations
 
@@ -31,6 +31,24 @@ def row_launch(n_cols: int) -> tuple[int, int]:
     """(block, num_warps) for a kernel that holds one whole row in registers: ~8 elements a thread."""
     block = triton.next_power_of_2(n_cols)
     return block, min(16, max(1, block // 256))
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Arrival counters for kernels whose last-arriving split merges the others' partials.
+
+    They are zero between launches (the last split to arrive resets its counter), so they are
+    allocated and zeroed once per device, not per call: no memset in the step. The one buffer
+    serves every launch on the device (split attention, split-K GEMMs), so launches must not
+    overlap (one stream).
+    """
+    tickets = _tickets.get(device)
+    if tickets is None or tickets.numel() < count:
+        tickets = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+        _tickets[device] = tickets
+    return tickets
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

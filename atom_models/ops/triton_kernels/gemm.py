@@ -11,9 +11,10 @@ x and w through fp8 `tl.dot` (native on Hopper) with fp32 accumulation; a weight
 changes along K (block scales) multiplies each slice's partial product, one that does not
 (per tensor, per channel) and the per-token activation scale multiply once at the end.
 
-Decode (M of 1 to 64) is bandwidth-bound: the tile heuristic in `default_config` picks the
-widest N tile that still gives every multiprocessor a program, so the weight streams at full
-bandwidth; `benchmarks/bench_fp8.py --sweep` measures the alternatives.
+Decode (M up to SKINNY_MAX_M) is bandwidth-bound and takes `_skinny_mm_kernel` instead, from both
+dispatch functions: at M = 1 cuBLASLt and the tile kernel above reach only a third to half of the
+weight-read bandwidth (their tiles are built for reuse that a GEMV does not have). See its docstring.
+`benchmarks/bench_fp8.py --sweep` measures the alternatives of both kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import as_rows
+from atom_models.ops.triton_kernels.common import as_rows, ticket_counters
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,263 @@ def run_scaled_mm(
     return out.reshape(*x_q.shape[:-1], n)
 
 
+# Largest token count the skinny kernel serves: up to 64 it beat cuBLASLt and the tile kernel on every
+# Llama-3-8B projection (H100 and H200, graph replays), except gate_up at 64 with per-row scales (5% slower).
+SKINNY_MAX_M = 64
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch parameters of `_skinny_mm_kernel`.
+
+    `split_k`: K slices per N tile (1: none); `dot`: fp8 `tl.dot` with the token rows padded to 16
+    (tensor cores), else (one token only) an fp32 multiply-and-sum on the CUDA cores.
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    dot: bool
+
+
+def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device) -> SkinnyConfig:
+    """The launch `run_skinny_mm` uses, from graph-replay timings with the weight streamed from HBM
+    (`benchmarks/bench_fp8.py --sweep`, H100 and H200).
+
+    One token: the CUDA-core GEMV, 8 weight rows x 512 columns a program; its many small programs end
+    together. More tokens: the fp8 MMA over 64 weight rows (one warpgroup's MMA height), 128 when many
+    tokens would re-read x for each of a long N's tiles; K tiles of 256, or of the 128 a block scale
+    allows. Pipelines 5 stages deep, or 4 when N gives several programs a multiprocessor, so two fit in
+    its shared memory. K is split while programs x block_k stays within multiprocessors x 256 (one
+    program of 256-wide tiles a multiprocessor, two of 128-wide ones) and each slice keeps 4 K tiles.
+    """
+    sms = _multiprocessors(device)
+    long_n = triton.cdiv(n, 64) >= 2 * sms
+    if m == 1:
+        block_n, block_k, num_warps, num_stages, dot = 8, 512, 2, 4, False
+    else:
+        block_n = 128 if long_n and m > 16 else 64
+        block_k = 256 if scale_k >= k else min(128, scale_k & -scale_k)
+        num_warps, num_stages, dot = 4, 4 if long_n else 5, True
+    programs, split_k = triton.cdiv(n, block_n), 1
+    while programs * split_k * 2 * block_k <= sms * 256 and k // (split_k * 2) >= 4 * block_k:
+        split_k *= 2
+    return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
+
+
+@triton.jit
+def _store_skinny(
+    acc, offs_m, offs_n, m_ok, n_ok, xs_ptr, stride_xsm, ws_ptrs, bias_ptr, out_ptr, stride_om, SCALE_ALONG_K, HAS_BIAS
+):
+    """out[m, n] = acc[n, m] times the scales not applied yet, plus bias."""
+    if not SCALE_ALONG_K:
+        acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
+    acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_mm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    ticket_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    num_splits,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_wsk,
+    stride_om,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    SCALE_ALONG_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """The scaled GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
+
+    A decode GEMM reads each weight byte once and does almost no arithmetic on it, so what counts
+    is bytes in flight: many programs (narrow N tiles, and K split in `num_splits` slices when N alone
+    gives too few), wide contiguous K tiles of the fp8 weight, and a deep load pipeline. USE_DOT:
+    weight rows are the fp8 MMA's M side (swap AB), so the tokens pad only its narrow N side (16).
+    Else one token (BLOCK_M = 1): the weight tile is widened to fp32 and multiplied by x on the CUDA
+    cores; that leaves no padding at all and was a few percent faster at M = 1. Both read the weight
+    once; block scales multiply each K tile's partial (MMA) or x's columns (GEMV).
+
+    Split K: program (n tile, slice) stores its fp32 partial to `part_ptr` [num_splits, M, N] and takes
+    a ticket; the slice that arrives last sums the partials in slice order (deterministic) and
+    writes the output, so one launch does it all and nothing synchronises with the host.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_wsn
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = offs_k < k_end - k0
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
+            part = tl.dot(w, tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0))
+            if SCALE_ALONG_K:  # the K tile lies in one scale block
+                part *= tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)[:, None]
+        else:  # one token; the tile's rows share one block row of scales, so they fold into x column-wise
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if SCALE_ALONG_K:
+                ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
+                x *= tl.load(ws_row + ((k0 + offs_k) // SCALE_K) * stride_wsk, mask=k_ok, other=0.0)
+            part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[:, None]
+        acc += part
+        w_ptrs += BLOCK_K
+
+    if not SPLIT:
+        _store_skinny(
+            acc,
+            offs_m,
+            offs_n,
+            m_ok,
+            n_ok,
+            xs_ptr,
+            stride_xsm,
+            ws_ptrs,
+            bias_ptr,
+            out_ptr,
+            stride_om,
+            SCALE_ALONG_K,
+            HAS_BIAS,
+        )
+    else:
+        part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
+        ok = m_ok[None, :] & n_ok[:, None]
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=ok)
+        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1)
+        if ticket == num_splits - 1:
+            tl.store(ticket_ptr + pid_n, 0)  # every slice has arrived: ready for the next launch
+            acc = tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, num_splits):
+                acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            _store_skinny(
+                acc,
+                offs_m,
+                offs_n,
+                m_ok,
+                n_ok,
+                xs_ptr,
+                stride_xsm,
+                ws_ptrs,
+                bias_ptr,
+                out_ptr,
+                stride_om,
+                SCALE_ALONG_K,
+                HAS_BIAS,
+            )
+
+
+def run_skinny_mm(
+    x_q: Tensor,
+    x_scale: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    scale_block: tuple[int, int],
+    config: SkinnyConfig | None = None,
+) -> Tensor:
+    """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`."""
+    x = as_rows(x_q)
+    (m, k), n = x.shape, w_q.shape[0]
+    if m > SKINNY_MAX_M:
+        raise ValueError(f"the skinny GEMM serves at most {SKINNY_MAX_M} tokens, got {m}")
+    if w_q.stride(1) != 1:
+        w_q = w_q.contiguous()
+    scale_n, scale_k = scale_block
+    config = config or skinny_config(m, n, k, scale_k, x.device)
+    along_k = scale_k < k
+    if not config.dot and m > 1:
+        raise ValueError(f"the CUDA-core GEMV serves one token, got {m}")
+    if along_k and config.dot and scale_k % config.block_k:
+        raise ValueError(f"block_k {config.block_k} must divide the weight scale block's {scale_k} columns")
+    if along_k and not config.dot and scale_n % config.block_n:
+        raise ValueError(f"block_n {config.block_n} must divide the weight scale block's {scale_n} rows")
+    ws = w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    n_tiles = triton.cdiv(n, config.block_n)
+    part = tickets = out  # unused without a split
+    if split_k > 1:
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        tickets = ticket_counters(x.device, n_tiles)
+    if m:
+        _skinny_mm_kernel[(n_tiles, split_k)](
+            x,
+            x_scale,
+            w_q,
+            ws,
+            bias if bias is not None else ws,
+            out,
+            part,
+            tickets,
+            m,
+            n,
+            k,
+            k_per_split,
+            split_k,
+            x.stride(0),
+            1 if x_scale.numel() > 1 else 0,
+            w_q.stride(0),
+            ws.stride(0) if ws.shape[0] > 1 else 0,
+            ws.stride(1) if ws.shape[1] > 1 else 0,
+            out.stride(0),
+            SCALE_N=scale_n,
+            SCALE_K=scale_k if along_k else config.block_k,
+            SCALE_ALONG_K=along_k,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else 1,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            SPLIT=split_k > 1,
+            USE_DOT=config.dot,
+            NUM_STAGES=config.num_stages,
+            num_warps=config.num_warps,
+        )
+    return out.reshape(*x_q.shape[:-1], n)
+
+
 @register_impl("scaled_mm_blockwise", "triton")
 def scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k) -> Tensor:
-    return run_scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype, (block_n, block_k))
+    run = run_skinny_mm if 0 < x_q.numel() // x_q.shape[-1] <= SKINNY_MAX_M else run_scaled_mm
+    return run(x_q, x_scale, w_q, w_scale, bias, out_dtype, (block_n, block_k))
 
 
 def cublas_scaled_mm(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -206,6 +461,8 @@ def cublas_scaled_mm(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
 def scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
     x = as_rows(x_q)
     (m, k), n = x.shape, w_q.shape[0]
+    if 0 < m <= SKINNY_MAX_M:
+        return run_skinny_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype, (1, k))
     if m == 0 or k % 16 or n % 16 or w_q.stride(1) != 1:
         return run_scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype, (1, k))
     out = cublas_scaled_mm(x, x_scale, w_q, w_scale, out_dtype)
