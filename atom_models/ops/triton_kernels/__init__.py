@@ -10,4 +10,22 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the triton ops backend needs the 'triton' package") from exc
 
+
+def _use_inductors_ptxas() -> None:
+    """Compile with the ptxas Inductor uses: torch's own, where its wheel ships one.
+
+    Loading Inductor's kernels points Triton at torch's ptxas (TRITON_PTXAS_PATH), and ptxas's
+    version is part of Triton's cache key (read once per process). A serving process always loads
+    Inductor's kernels first; unless every process settles on the same ptxas before its first
+    compile, kernels compiled into an artifact at export miss at serving and compile again.
+    """
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # pragma: no cover - a torch without it leaves Triton's choice alone
+        return
+    _set_triton_ptxas_path()
+
+
+_use_inductors_ptxas()
+
 from atom_models.ops.triton_kernels import activation, attention, gemm, norm, quant, rotary_cache  # noqa: F401, E402
