@@ -94,7 +94,7 @@ def sweep_configs(m: int) -> list[gemm.GemmConfig]:
 
 
 def skinny_sweep_configs(m: int, block: bool) -> list[gemm.SkinnyConfig]:
-    """The one-token GEMV's tiles (M = 1), and the MMA's tile widths, K tiles, K splits and depths."""
+    """The one-token GEMV's tiles (M = 1, per-row scales), and the MMA's tile widths, K tiles, K splits and depths."""
     gemv = [
         gemm.SkinnyConfig(block_n, block_k, 1, warps, stages, False)
         for block_n, block_k, warps, stages in product((8, 16), (512, 1024), (2, 4), (2, 4))
@@ -105,7 +105,7 @@ def skinny_sweep_configs(m: int, block: bool) -> list[gemm.SkinnyConfig]:
             (64, 128), (128,) if block else (256, 512), (1, 2, 4, 8), (4, 5, 6)
         )
     ]
-    return (gemv if m == 1 else []) + mma
+    return (gemv if m == 1 and not block else []) + mma
 
 
 def config_name(config: gemm.SkinnyConfig) -> str:

@@ -172,16 +172,21 @@ def test_skinny_gemm(m, n, k, scheme):
     assert_close(out, ref)
 
 
-SKINNY_CASES = [  # (m, config): split K into uneven slices, narrow and wide tiles, the one-token GEMV
+SKINNY_CONFIGS = [  # (m, config): split K into uneven slices, narrow and wide tiles, the one-token GEMV
     (5, gemm.SkinnyConfig(32, 128, 3, 4, 3, True)),
     (2, gemm.SkinnyConfig(64, 64, 4, 4, 2, True)),
     (1, gemm.SkinnyConfig(16, 256, 2, 2, 2, False)),
-    (1, gemm.SkinnyConfig(8, 512, 1, 2, 3, False)),  # a K tile spanning several block scales
+    (1, gemm.SkinnyConfig(8, 512, 1, 2, 3, False)),  # one K tile past the end of K
+]
+SKINNY_CASES = [
+    (m, config, scheme, static)
+    for m, config in SKINNY_CONFIGS
+    for scheme, static in [("block", False), ("per_channel", False), ("per_tensor", True)]
+    if config.dot or scheme != "block"  # the GEMV takes per-row scales only
 ]
 
 
-@pytest.mark.parametrize("m,config", SKINNY_CASES)
-@pytest.mark.parametrize("scheme,static", [("block", False), ("per_channel", False), ("per_tensor", True)])
+@pytest.mark.parametrize("m,config,scheme,static", SKINNY_CASES)
 def test_skinny_gemm_configs(m, config, scheme, static):
     block = (128, 128) if scheme == "block" else None
     n, k = 72, 448
@@ -197,15 +202,17 @@ def test_skinny_gemm_configs(m, config, scheme, static):
 
 
 def test_skinny_gemm_rejects_mismatched_tiles():
-    x_q, x_scale, w_q, w_scale, _ = gemm_inputs(2, 64, 256, "block", (128, 128))
-    with pytest.raises(ValueError, match="one token"):
-        gemm.run_skinny_mm(
-            x_q, x_scale, w_q, w_scale, None, DTYPE, (128, 128), gemm.SkinnyConfig(8, 256, 1, 2, 2, False)
-        )
+    x_q, x_scale, w_q, w_scale, _ = gemm_inputs(1, 64, 256, "block", (128, 128))
+    gemv = gemm.SkinnyConfig(8, 256, 1, 2, 2, False)
+    with pytest.raises(ValueError, match="per-row weight scales"):
+        gemm.run_skinny_mm(x_q, x_scale, w_q, w_scale, None, DTYPE, (128, 128), gemv)
     with pytest.raises(ValueError, match="must divide"):
         gemm.run_skinny_mm(
             x_q, x_scale, w_q, w_scale, None, DTYPE, (128, 128), gemm.SkinnyConfig(64, 256, 1, 4, 2, True)
         )
+    x_q, x_scale, w_q, w_scale, _ = gemm_inputs(2, 64, 256, "per_channel", None)
+    with pytest.raises(ValueError, match="one token"):
+        gemm.run_skinny_mm(x_q, x_scale, w_q, w_scale, None, DTYPE, (1, 256), gemv)
 
 
 @gpu_only

@@ -12,9 +12,9 @@ changes along K (block scales) multiplies each slice's partial product, one that
 (per tensor, per channel) and the per-token activation scale multiply once at the end.
 
 Decode (M up to SKINNY_MAX_M) is bandwidth-bound and takes `_skinny_mm_kernel` instead, from both
-dispatch functions: at M = 1 cuBLASLt and the tile kernel above reach only a third to half of the
-weight-read bandwidth (their tiles are built for reuse that a GEMV does not have). See its docstring.
-`benchmarks/bench_fp8.py --sweep` measures the alternatives of both kernels.
+dispatch functions: at M = 1 on Llama-3-8B's projections cuBLASLt reached 42-75% of the weight-read
+roofline and the tile kernel above 47-85%, the skinny kernel 67-92% (H100, CUDA-graph replays; the
+rest is mostly a fixed ~2.5 us a launch). `benchmarks/bench_fp8.py --sweep` measures the alternatives.
 """
 
 from __future__ import annotations
@@ -185,8 +185,9 @@ def run_scaled_mm(
     return out.reshape(*x_q.shape[:-1], n)
 
 
-# Largest token count the skinny kernel serves: up to 64 it beat cuBLASLt and the tile kernel on every
-# Llama-3-8B projection (H100 and H200, graph replays), except gate_up at 64 with per-row scales (5% slower).
+# Largest token count the skinny kernel serves: up to 64 it beat what the dispatch ran before (cuBLASLt for
+# per-row scales, the tile kernel for block scales) on every Llama-3-8B projection (H100 and H200, graph
+# replays); at 64 the tile kernel is even with it on gate_up, and beyond that tiles reuse x enough to win.
 SKINNY_MAX_M = 64
 
 
@@ -195,7 +196,7 @@ class SkinnyConfig:
     """Launch parameters of `_skinny_mm_kernel`.
 
     `split_k`: K slices per N tile (1: none); `dot`: fp8 `tl.dot` with the token rows padded to 16
-    (tensor cores), else (one token only) an fp32 multiply-and-sum on the CUDA cores.
+    (tensor cores), else (one token, per-row weight scales) an fp32 multiply-and-sum on the CUDA cores.
     """
 
     block_n: int
@@ -210,8 +211,9 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device) ->
     """The launch `run_skinny_mm` uses, from graph-replay timings with the weight streamed from HBM
     (`benchmarks/bench_fp8.py --sweep`, H100 and H200).
 
-    One token: the CUDA-core GEMV, 8 weight rows x 512 columns a program; its many small programs end
-    together. More tokens: the fp8 MMA over 64 weight rows (one warpgroup's MMA height), 128 when many
+    One token with per-row weight scales: the CUDA-core GEMV, 8 weight rows x 512 columns a program; its
+    many small programs end together (folding block scales into it, a gather along K, ran 2-3x slower).
+    Otherwise the fp8 MMA over 64 weight rows (one warpgroup's MMA height), 128 when many
     tokens would re-read x for each of a long N's tiles; K tiles of 256, or of the 128 a block scale
     allows. Pipelines 5 stages deep, or 4 when N gives several programs a multiprocessor, so two fit in
     its shared memory. K is split while programs x block_k stays within multiprocessors x 256 (one
@@ -219,7 +221,7 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device) ->
     """
     sms = _multiprocessors(device)
     long_n = triton.cdiv(n, 64) >= 2 * sms
-    if m == 1:
+    if m == 1 and scale_k >= k:
         block_n, block_k, num_warps, num_stages, dot = 8, 512, 2, 4, False
     else:
         block_n = 128 if long_n and m > 16 else 64
@@ -283,9 +285,9 @@ def _skinny_mm_kernel(
     is bytes in flight: many programs (narrow N tiles, and K split in `num_splits` slices when N alone
     gives too few), wide contiguous K tiles of the fp8 weight, and a deep load pipeline. USE_DOT:
     weight rows are the fp8 MMA's M side (swap AB), so the tokens pad only its narrow N side (16).
-    Else one token (BLOCK_M = 1): the weight tile is widened to fp32 and multiplied by x on the CUDA
-    cores; that leaves no padding at all and was a few percent faster at M = 1. Both read the weight
-    once; block scales multiply each K tile's partial (MMA) or x's columns (GEMV).
+    Else one token with per-row weight scales (BLOCK_M = 1): the weight tile is widened to fp32 and
+    multiplied by x on the CUDA cores; no padding at all, a few percent faster at M = 1. Block scales
+    (MMA only) multiply each K tile's partial, so a K tile must lie in one scale block.
 
     Split K: program (n tile, slice) stores its fp32 partial to `part_ptr` [num_splits, M, N] and takes
     a ticket; the slice that arrives last sums the partials in slice order (deterministic) and
@@ -312,11 +314,8 @@ def _skinny_mm_kernel(
             part = tl.dot(w, tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0))
             if SCALE_ALONG_K:  # the K tile lies in one scale block
                 part *= tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)[:, None]
-        else:  # one token; the tile's rows share one block row of scales, so they fold into x column-wise
+        else:  # one token, per-row weight scales
             x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            if SCALE_ALONG_K:
-                ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_wsn
-                x *= tl.load(ws_row + ((k0 + offs_k) // SCALE_K) * stride_wsk, mask=k_ok, other=0.0)
             part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[:, None]
         acc += part
         w_ptrs += BLOCK_K
@@ -386,12 +385,10 @@ def run_skinny_mm(
     scale_n, scale_k = scale_block
     config = config or skinny_config(m, n, k, scale_k, x.device)
     along_k = scale_k < k
-    if not config.dot and m > 1:
-        raise ValueError(f"the CUDA-core GEMV serves one token, got {m}")
-    if along_k and config.dot and scale_k % config.block_k:
+    if not config.dot and (m > 1 or along_k):
+        raise ValueError(f"the CUDA-core GEMV serves one token with per-row weight scales, got {m} tokens")
+    if along_k and scale_k % config.block_k:
         raise ValueError(f"block_k {config.block_k} must divide the weight scale block's {scale_k} columns")
-    if along_k and not config.dot and scale_n % config.block_n:
-        raise ValueError(f"block_n {config.block_n} must divide the weight scale block's {scale_n} rows")
     ws = w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
