@@ -321,3 +321,5 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(("stop", ()))
             self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.core.runner.release()

@@ -93,6 +93,19 @@ class ModelRunner:
                     self.piecewise.release()
                     self.piecewise = None
 
+    def release(self) -> None:
+        """Give back the device memory of the KV cache and the graphs, so another engine fits in this process."""
+        if not self.kv_caches:
+            return
+        self.graphs = None
+        if self.piecewise is not None:
+            self.piecewise.release()
+            self.piecewise = None
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     @property
     def block_bytes(self) -> int:
         element = torch.empty((), dtype=self.kv_dtype).element_size()

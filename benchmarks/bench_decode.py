@@ -6,7 +6,8 @@
 Exports the preset with random weights, then for each batch size runs `LLM.generate` with
 `context`-token prompts and reports two times per decode step: `engine` (the whole step,
 scheduling and sampling included: generate with N+1 tokens minus generate with 1, over N)
-and `graph` (replaying the step's CUDA graph alone, timed with CUDA events).
+and `graph` (replaying the step's CUDA graph alone at the timed steps' mean context, timed with
+CUDA events): `engine - graph` is what host work and the per-step extras around the graph add.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from bench_common import copy_bandwidth, device_name, dummy_artifact, print_tabl
 
 from atom_models.llama import head_dim_of
 from atom_runtime import LLM, SamplingParams
+from atom_runtime.scheduler import ScheduledChunk
+from atom_runtime.sequence import Sequence
 
 PHASES = ("schedule", "launch", "wait", "finish")
 
@@ -98,20 +101,30 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
     return summary
 
 
-def graph_step_ms(llm: LLM, batch: int, reps: int = 50) -> float | None:
-    runner = llm.engine.core.runner
-    graphs = runner.graphs
-    if graphs is None or batch not in graphs.graphs:
+def graph_step_ms(llm: LLM, batch: int, context: int, reps: int = 50) -> float | None:
+    """Replay time of the batch-`batch` decode graph with every sequence `context` tokens long.
+
+    The GPU time an engine step at that context cannot go below (its KV-cache reads included).
+    """
+    core = llm.engine.core
+    runner, blocks = core.runner, core.block_manager
+    if runner.graphs is None or batch not in runner.graphs.graphs:
         return None
-    runner.inputs.load([], pad_seqs_to=batch)  # a valid decode step in the buffers the graph reads
+    seqs = [Sequence(f"graph-{i}", 0, [0] * context, SamplingParams()) for i in range(batch)]
+    for seq in seqs:
+        if not blocks.allocate(seq, context):
+            raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
+    runner.inputs.load([ScheduledChunk(s, context - 1, 1) for s in seqs], pad_seqs_to=batch)
     for _ in range(5):
-        graphs.replay(batch)
+        runner.graphs.replay(batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        graphs.replay(batch)
+        runner.graphs.replay(batch)
     end.record()
     end.synchronize()
+    for seq in seqs:
+        blocks.free(seq)
     return start.elapsed_time(end) / reps
 
 
@@ -158,7 +171,7 @@ def main() -> None:
                 {
                     "batch": batch,
                     "engine_ms": engine_ms,
-                    "graph_ms": graph_step_ms(llm, batch),
+                    "graph_ms": graph_step_ms(llm, batch, args.context + args.steps // 2),
                     "roofline_ms": roofline_ms,
                     "weights_only_roofline_ms": weight_bytes / bandwidth * 1e3,
                     "fraction_of_roofline": roofline_ms / engine_ms,

@@ -104,7 +104,7 @@ def test_cuda_artifact_serves_without_compiling(which, request, tmp_path, monkey
         f"export's (export, serving): {key_differences}\nshipped kernel groups: {shipped}\n"
         f"serving cache groups: {result['cache_groups']}"
     )
-    eager = LLM(checkpoint, device="cuda", enforce_eager=True)
+    eager = LLM(checkpoint, device="cuda", enforce_eager=True, num_kvcache_blocks=256)
     try:
         expected = eager.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     finally:
