@@ -132,12 +132,16 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}"
         try:
             for _ in range(600):
+                if server.poll() is not None:
+                    raise SystemExit(f"the server exited with status {server.returncode} before it was healthy")
                 try:
                     if httpx.get(f"{base}/health").status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.5)
+            else:
+                raise SystemExit("the server was not healthy after 300 s")
             long_prompt = "lorem ipsum dolor sit amet " * 2000  # well past the context: tokenized, then refused
             asyncio.run(phase(base, "m", args.concurrency, args.tokens, 0, long_prompt))  # warm-up
             quiet = asyncio.run(phase(base, "m", args.concurrency, args.tokens, 0, long_prompt))
