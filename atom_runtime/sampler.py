@@ -70,6 +70,15 @@ class DeviceSample:
         )
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small per-step tensor made without waiting for the device.
+
+    `torch.tensor(values, device="cuda")` copies from pageable memory, which waits for every step
+    queued on the stream: it would undo the overlap of host and GPU. A pinned copy does not wait.
+    """
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
@@ -99,12 +108,12 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if not seq.params.needs_penalties:
                 continue
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=device)
+            out = _on_device(seq.output_token_ids, torch.long, device)
             counts[row].index_add_(0, out, torch.ones(len(out), device=device))
-            seen[row, torch.tensor(seq.token_ids, dtype=torch.long, device=device)] = True
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=device).unsqueeze(1)
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=device).unsqueeze(1)
-        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=device).unsqueeze(1)
+            seen[row, _on_device(seq.token_ids, torch.long, device)] = True
+        rep = _on_device([s.params.repetition_penalty for s in seqs], torch.float32, device).unsqueeze(1)
+        freq = _on_device([s.params.frequency_penalty for s in seqs], torch.float32, device).unsqueeze(1)
+        pres = _on_device([s.params.presence_penalty for s in seqs], torch.float32, device).unsqueeze(1)
         # Repetition penalty (prompt and output, as HF/vLLM): shrink positive logits, grow negative ones.
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
@@ -115,35 +124,37 @@ class Sampler:
             if seq.num_output_tokens < seq.params.min_tokens:
                 stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
                 if stop_ids:
-                    logits[row, list(stop_ids)] = float("-inf")
+                    logits[row, _on_device(sorted(stop_ids), torch.long, logits.device)] = float("-inf")
         return logits
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         device = logits.device
         params = [s.params for s in seqs]
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        greedy = _on_device([p.greedy for p in params], torch.bool, device)
+        temperature = _on_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
         logits = logits / temperature.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
             logits = self._top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
-            logits = self._top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+            logits = self._top_p(logits, _on_device([p.top_p for p in params], torch.float32, device))
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            min_p = _on_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_()
         for row, seq in enumerate(seqs):
             if seq.generator is not None and not seq.params.greedy:
-                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=seq.generator).to(device)
+                drawn = torch.empty(probs.shape[1], pin_memory=device.type == "cuda")
+                noise[row] = drawn.exponential_(generator=seq.generator).to(device, non_blocking=True)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod
     def _top_k(logits: Tensor, top_k: list[int]) -> Tensor:
         vocab = logits.shape[1]
-        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
-        values = logits.topk(int(ks.max()), dim=-1).values
+        ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
+        values = logits.topk(max(ks), dim=-1).values  # the largest k from the host list: no .item() sync
+        ks = _on_device(ks, torch.long, logits.device)
         threshold = values.gather(1, (ks - 1).unsqueeze(1))
         return logits.masked_fill(logits < threshold, float("-inf"))
 

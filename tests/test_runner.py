@@ -79,6 +79,38 @@ def test_cuda_graph_decode_equals_eager(tiny_llama):
         eager.shutdown()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_launch_never_waits_for_the_device(tiny_llama):
+    """Step N+1 is queued while step N runs: nothing in a decode launch may synchronise with the GPU."""
+    llm = LLM(tiny_llama, device="cuda", cudagraph_capture_sizes=[1, 2, 4, 8], num_kvcache_blocks=256)
+    runner = llm.engine.core.runner
+    launch = runner.launch
+    checked = []
+
+    def launch_without_syncs(chunks, in_flight=None):
+        if not all(c.num_tokens == 1 for c in chunks):
+            return launch(chunks, in_flight)
+        checked.append(len(chunks))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(chunks, in_flight)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.launch = launch_without_syncs
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=5, min_p=0.05, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=12, logprobs=2, ignore_eos=True),
+    ]
+    try:
+        outputs = llm.generate(["Hello there", "a b c", "The quick brown fox", "x y"], params)
+    finally:
+        llm.shutdown()
+    assert checked and all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+
+
 class EmulatedGraph:
     """A CUDA graph's contract on CPU: replay reruns the piece on the very tensors it was captured with.
 
