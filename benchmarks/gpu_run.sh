@@ -2,7 +2,7 @@
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
 # Stages: tests (GPU tests), kernel-tests, fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
-#         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, export (export time 2 vs 28 layers),
+#         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
 #         train-demo (the demo model, to $OUT/demo.tar.part-*; needs carry demo_corpus/{train,valid,chat}.txt,
 #         corpus.json, LICENSE-PSF.txt).
 set -o pipefail
@@ -33,6 +33,20 @@ for stage in "$@"; do
     isolation) art=$(cd benchmarks && python3 -c "from pathlib import Path; from bench_common import dummy_artifact
 print(dummy_artifact('qwen3-0.6b', Path('/tmp/iso'), 'cuda'))" | tail -1)
       python3 benchmarks/bench_engine_isolation.py --model "$art" --out "$OUT/isolation.json" 2>&1 | tail -8 ;;
+    serving) art=$(cd benchmarks && python3 -c "from pathlib import Path; from bench_common import dummy_artifact
+print(dummy_artifact('${SERVING_PRESET:-llama-3-8b}', Path('/tmp/serving'), 'cuda'))" | tail -1)
+      python3 -m atom_runtime serve "$art" --port 8011 --served-model-name m --disable-uvicorn-access-log \
+        --uvicorn-log-level warning > "$OUT/serve.log" 2>&1 & server=$!
+      python3 -c "import httpx, time
+for _ in range(600):
+    try:
+        if httpx.get('http://127.0.0.1:8011/health').status_code == 200: break
+    except httpx.HTTPError: pass
+    time.sleep(0.5)"
+      python3 benchmarks/benchmark_serving.py --backend openai --base-url http://127.0.0.1:8011 --model m \
+        --tokenizer "$art" --dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 500 \
+        --ignore-eos --save-result --result-dir "$OUT" --result-filename serving.json 2>&1 | tail -25
+      kill $server; wait $server ;;
     startup) python3 benchmarks/bench_startup.py --preset llama-3-8b --out "$OUT/startup.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -6 ;;
     export) python3 benchmarks/bench_export.py --preset qwen3-0.6b --layers 2 28 --device cuda \
              --out "$OUT/export.json" 2>&1 | tail -6 ;;
