@@ -181,6 +181,7 @@ class _GraphedPiece:
     def __init__(self, owner: PiecewiseGraphs, piece: Callable) -> None:
         self.owner, self.piece = owner, piece
         self.graphs: dict[int, PieceGraph] = {}
+        self.addresses: dict[int, list[int]] = {}  # per size, where its inputs were at capture; emptied once checked
 
     def __call__(self, *args):
         size = self.owner.size
@@ -188,8 +189,16 @@ class _GraphedPiece:
             return self.piece(*args)
         if self.owner.capturing:
             graph = self.graphs[size] = self.owner.graph(self.owner.pool)
+            self.addresses[size] = _addresses(args)
             return graph.capture(self.piece, args)  # owned while the capturing forward runs: later captures keep off
+        # The first replay at this size checks its inputs: one that moved would be read stale, silently.
+        if size in self.addresses and _addresses(args) != self.addresses.pop(size):
+            raise RuntimeError("a piecewise CUDA graph's input moved since capture")
         return self.graphs[size].replay()
+
+
+def _addresses(args: tuple) -> list[int]:
+    return [a.data_ptr() for a in args if isinstance(a, Tensor)]
 
 
 class _CopiedPiece:
