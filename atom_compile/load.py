@@ -66,6 +66,7 @@ class PieceCall:
     name: str
     args: tuple[str, ...]  # the top graph's names for the arguments (placeholders or earlier results)
     sources: frozenset[str]  # the pieces whose results (or items of them) it takes
+    plain: bool  # every argument is a plain name (so `args` and `sources` are complete)
 
 
 def piece_calls(path: Path) -> list[PieceCall]:
@@ -76,10 +77,17 @@ def piece_calls(path: Path) -> list[PieceCall]:
         if not isinstance(statement, ast.Assign) or len(statement.targets) != 1:
             continue
         target, value = statement.targets[0], statement.value
-        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and isinstance(target, ast.Name):
+        func = value.func if isinstance(value, ast.Call) else None
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "self"
+            and isinstance(target, ast.Name)
+        ):
             args = tuple(a.id for a in value.args if isinstance(a, ast.Name))
-            calls.append(PieceCall(value.func.attr, args, frozenset(made_by[a] for a in args if a in made_by)))
-            made_by[target.id] = value.func.attr
+            plain = len(args) == len(value.args) and not value.keywords
+            calls.append(PieceCall(func.attr, args, frozenset(made_by[a] for a in args if a in made_by), plain))
+            made_by[target.id] = func.attr
         elif isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in made_by:
             made_by[target.id] = made_by[value.value.id]
     return calls

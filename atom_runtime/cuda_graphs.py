@@ -5,8 +5,9 @@ FULL graphs:
 A pure-decode batch of `b` sequences is padded up to the smallest captured size and replays
 that size's graph: every kernel of the forward (compiled pieces and attention alike) in one
 launch, over the runner's persistent input buffers and KV cache. Prefill and mixed batches
-run outside the graphs, or through the PIECEWISE graphs below. All graphs share one memory
-pool; capture goes largest first so the smaller graphs fit inside what the largest reserved.
+run outside the graphs, or through the PIECEWISE graphs below. All graphs are captured into one
+memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL and
+piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ class PieceGraph:
 def _map_tensors(fn: Callable[[Tensor], Tensor], value):
     if isinstance(value, Tensor):
         return fn(value)
-    return type(value)(_map_tensors(fn, v) for v in value)
+    if isinstance(value, list | tuple):
+        return type(value)(_map_tensors(fn, v) for v in value)
+    return value
 
 
 class PiecewiseGraphs:
@@ -133,13 +136,17 @@ class PiecewiseGraphs:
         self.size: int | None = None  # the token count of the step being run; None: everything eager
         self.capturing = False
         per_sequence = {i.placeholder for i in model.inputs if i.target in self.PER_SEQUENCE}
+        weights = {i.placeholder for i in model.inputs if i.kind == "weight"}
         entries = model.manifest["pieces"]
-        graphed = {c.name for c in model.calls if entries[c.name]["compiled"] and not per_sequence & set(c.args)}
-        copied = {source for c in model.calls if c.name in graphed for source in c.sources} - graphed
+        graphed = {
+            c.name: c for c in model.calls if entries[c.name]["compiled"] and c.plain and not per_sequence & set(c.args)
+        }
+        copied = {source for c in graphed.values() for source in c.sources} - set(graphed)
         wrapped = {}
         for name, piece in vars(model.pieces).items():
             if name in graphed:
-                wrapped[name] = _GraphedPiece(self, piece)
+                moving = [i for i, arg in enumerate(graphed[name].args) if arg not in weights]
+                wrapped[name] = _GraphedPiece(self, piece, moving)
             elif name in copied:
                 wrapped[name] = _CopiedPiece(self, piece, max(self.sizes))
             else:
@@ -178,10 +185,16 @@ class PiecewiseGraphs:
 
 
 class _GraphedPiece:
-    def __init__(self, owner: PiecewiseGraphs, piece: Callable) -> None:
-        self.owner, self.piece = owner, piece
+    """A compiled piece replaying its graph for the step's size.
+
+    Every replay checks that its non-weight inputs sit where they were at capture: one that moved
+    would be read stale, silently (a few pointer reads; weights never move).
+    """
+
+    def __init__(self, owner: PiecewiseGraphs, piece: Callable, moving: list[int]) -> None:
+        self.owner, self.piece, self.moving = owner, piece, moving
         self.graphs: dict[int, PieceGraph] = {}
-        self.addresses: dict[int, list[int]] = {}  # per size, where its inputs were at capture; emptied once checked
+        self.addresses: dict[int, list[int]] = {}  # per size, where the non-weight inputs were at capture
 
     def __call__(self, *args):
         size = self.owner.size
@@ -189,16 +202,11 @@ class _GraphedPiece:
             return self.piece(*args)
         if self.owner.capturing:
             graph = self.graphs[size] = self.owner.graph(self.owner.pool)
-            self.addresses[size] = _addresses(args)
+            self.addresses[size] = [args[i].data_ptr() for i in self.moving]
             return graph.capture(self.piece, args)  # owned while the capturing forward runs: later captures keep off
-        # The first replay at this size checks its inputs: one that moved would be read stale, silently.
-        if size in self.addresses and _addresses(args) != self.addresses.pop(size):
+        if [args[i].data_ptr() for i in self.moving] != self.addresses[size]:
             raise RuntimeError("a piecewise CUDA graph's input moved since capture")
         return self.graphs[size].replay()
-
-
-def _addresses(args: tuple) -> list[int]:
-    return [a.data_ptr() for a in args if isinstance(a, Tensor)]
 
 
 class _CopiedPiece:
@@ -214,11 +222,15 @@ class _CopiedPiece:
         if size is None:
             return output
         if self.buffers is None:
-            self.buffers = _map_tensors(lambda t: t.new_empty((self.max_tokens, *t.shape[1:])), output)
+            self.buffers = _map_tensors(
+                lambda t: t.new_empty_strided((self.max_tokens, *t.shape[1:]), t.stride()), output
+            )
         return _map_tensors_pair(lambda buffer, t: buffer[:size].copy_(t), self.buffers, output)
 
 
 def _map_tensors_pair(fn: Callable[[Tensor, Tensor], Tensor], a, b):
     if isinstance(a, Tensor):
         return fn(a, b)
-    return type(a)(_map_tensors_pair(fn, x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, list | tuple):
+        return type(a)(_map_tensors_pair(fn, x, y) for x, y in zip(a, b, strict=True))
+    return b

@@ -81,7 +81,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.capture_sizes or self.piecewise_sizes:
-            pool = torch.cuda.graph_pool_handle()  # one pool for every graph: only one runs at a time
+            pool = torch.cuda.graph_pool_handle()  # one pool for all graphs (see atom_runtime.cuda_graphs)
             if self.capture_sizes:
                 self.graphs = DecodeGraphs(self, self.capture_sizes, pool)
                 self.graphs.capture()
@@ -157,9 +157,11 @@ class ModelRunner:
             trials.append(DecodeGraphs(self, [max(self.capture_sizes)], pool))
             trials[-1].capture(progress=False)
         if self.piecewise_sizes:
-            trials.append(PiecewiseGraphs(self.model.forward, [max(self.piecewise_sizes)], pool))
-            trials[-1].capture(self, progress=False)
-            trials[-1].release()
+            trial = PiecewiseGraphs(self.model.forward, [max(self.piecewise_sizes)], pool)
+            if trial.num_graphed:
+                trial.capture(self, progress=False)
+                trials.append(trial)
+            trial.release()
         used = free_before - torch.cuda.mem_get_info()[0]
         del trials, self.kv_caches, self.inputs, cache
         torch.cuda.empty_cache()

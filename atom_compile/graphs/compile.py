@@ -27,6 +27,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.export import Dim
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -81,8 +82,11 @@ class UnfuseResidualAddmm(CustomGraphPass):
                 continue
             addend, mat1, mat2 = node.args[:3]
             value = node.meta.get("val")
-            if value is None or addend.meta.get("val") is None or addend.meta["val"].shape != value.shape:
+            addend_value = addend.meta.get("val")
+            if value is None or addend_value is None or addend_value.dim() != value.dim():
                 continue
+            if not all(statically_known_true(a == b) for a, b in zip(addend_value.shape, value.shape, strict=True)):
+                continue  # a broadcast addend (a bias): cuBLAS adds it in its epilogue
             with graph.inserting_before(node):
                 product = graph.call_function(aten.mm.default, (mat1, mat2))
                 total = graph.call_function(aten.add.Tensor, (product, addend))

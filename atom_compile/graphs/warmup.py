@@ -116,6 +116,8 @@ def forget_compiled_kernels() -> None:
 
     for info in pkgutil.iter_modules(triton_kernels.__path__, f"{triton_kernels.__name__}."):
         for value in vars(importlib.import_module(info.name)).values():
+            while not isinstance(value, JITFunction) and hasattr(value, "fn"):  # autotune / heuristics wrappers
+                value = value.fn
             if isinstance(value, JITFunction):
                 value.device_caches.clear()
 
