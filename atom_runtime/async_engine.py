@@ -317,9 +317,10 @@ class AsyncEngine:
         for state in list(self._states.values()):
             state.queue.put_nowait(EngineDeadError(f"the engine stopped after an error: {error}"))
 
-    def shutdown(self) -> None:
+    def shutdown(self, free_memory: bool = True) -> None:
+        """Stop the core thread; with `free_memory`, also give back the KV cache and graphs' device memory."""
         if self._thread.is_alive():
             self._commands.put(("stop", ()))
             self._thread.join(timeout=10)
-        if not self._thread.is_alive():
+        if free_memory and not self._thread.is_alive():
             self.core.runner.release()

@@ -92,4 +92,4 @@ class LLM:
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown(free_memory=False)  # no device calls from a collector, perhaps at interpreter exit
