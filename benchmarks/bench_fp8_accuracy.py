@@ -22,6 +22,7 @@ text they predict). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -113,6 +114,7 @@ def evaluate(model_dir: Path, args: argparse.Namespace) -> list[dict]:
     reference = run(None, None)
     rows = [{"variant": f"unquantized ({args.dtype})", **compare(reference, reference, [targets])}]
     for name, (quant, kv_dtype) in VARIANTS.items():
+        quant = dataclasses.replace(quant, exclude=[*quant.exclude, *args.keep])
         try:
             logits = run(quant, kv_dtype)
         except ValueError as error:  # block weights on a model whose packed shards are not whole blocks
@@ -133,6 +135,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--keep",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="layers every variant leaves unquantized, as checkpoint-name patterns (e.g. 'model.layers.0.*')",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_fp8_accuracy.json"))
     args = parser.parse_args()
     if (args.model is None) == (args.preset is None):
@@ -146,6 +155,8 @@ def main() -> None:
             )
         rows = evaluate(model_dir, args)
     source = args.model or f"random {args.preset} (init {args.init})"
+    if args.keep:
+        source = f"{source}, unquantized: {' '.join(args.keep)}"
     tokens = args.text or "random tokens"
     print_table(
         f"FP8 vs {args.dtype}: {source}, {rows[0]['positions']} positions of {tokens}",
