@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: dummy-weight artifacts of real model shapes, copy bandwidth, tables."""
+"""Shared by the benchmark scripts: dummy-weight artifacts of real model shapes, copy bandwidth, timers, tables."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from atom_models.checkpoints import make_config_only
 
@@ -57,6 +58,22 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * gib * 2**30 / sorted(times)[len(times) // 2]
+
+
+def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def graph_ms(calls: list, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Median time of one call, from replays of a CUDA graph that runs every call once."""
+    for call in calls:
+        call()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return median_ms(graph.replay, warmup_ms, rep_ms) / len(calls)
 
 
 def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import copy_bandwidth, device_name, print_table, write_json
+from bench_common import copy_bandwidth, device_name, graph_ms, median_ms, print_table, write_json
 from triton.runtime.errors import OutOfResources
 
 import atom_compile
@@ -60,28 +60,12 @@ VARIANTS = {
 MIN_REPLAY_BYTES = 256 * 2**20
 
 
-def median_us(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
-
-
-def graph_us(calls: list) -> float:
-    """Median time of one call, from replays of a CUDA graph that runs every call once."""
-    for call in calls:
-        call()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return median_us(graph.replay, 5, 20) / len(calls)
-
-
 def timed(timer: str, weight: torch.Tensor, call) -> float:
     """Microseconds of `call(weight)`: graph replays over copies of the weight, or do_bench of one call."""
     if timer == "do_bench":
-        return median_us(partial(call, weight))
+        return median_ms(partial(call, weight), 25, 100) * 1e3
     copies = [weight] + [weight.clone() for _ in range(triton.cdiv(MIN_REPLAY_BYTES, weight.nbytes) - 1)]
-    return graph_us([partial(call, copy) for copy in copies])
+    return graph_ms([partial(call, copy) for copy in copies], 5, 20) * 1e3
 
 
 def sweep_configs(m: int) -> list[gemm.GemmConfig]:

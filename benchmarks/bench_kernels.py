@@ -18,7 +18,6 @@ import json
 import math
 import platform
 import subprocess
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from functools import partial
@@ -26,6 +25,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
+from bench_common import copy_bandwidth, graph_ms, median_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atom_models.ops import attention as attention_ops
@@ -39,29 +39,6 @@ Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 # Decode replays touch at least this many bytes of KV, over several caches, so L2 (50 MB) can't serve them.
 MIN_DECODE_BYTES = 256 * 2**20
-
-
-def median_ms(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def graph_ms(calls: list[Callable[[], object]]) -> float:
-    """Median time of one call, from replays of a CUDA graph that runs every call once."""
-    for call in calls:
-        call()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return median_ms(graph.replay) / len(calls)
-
-
-def copy_bandwidth() -> float:
-    """TB/s of a 1 GiB device-to-device copy, counting bytes read and written."""
-    src = torch.randn(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / median_ms(lambda: dst.copy_(src)) / 1e9
 
 
 def paged_batch(query_lens: list[int], seq_lens: list[int]):
@@ -251,8 +228,8 @@ def main() -> None:
     configs = sweep_configs(base) if args.sweep else [base]
 
     print(HEADER, flush=True)
-    copy_tbps = copy_bandwidth()
-    rows = [dict(case="copy 1 GiB", kernel="torch copy_", ms=0.0, tbps=copy_tbps)]
+    copy_tbps = copy_bandwidth() / 1e12
+    rows = [dict(case="copy 2 GiB", kernel="torch copy_", ms=0.0, tbps=copy_tbps)]
     print_rows(rows)
     steps = [
         partial(bench_prefill, 8, 1024, configs, check=True),
