@@ -320,7 +320,21 @@ def _skinny_mm_kernel(
         acc += part
         w_ptrs += BLOCK_K
 
-    if not SPLIT:
+    last = True  # without a split, every program stores its own tile
+    if SPLIT:
+        part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
+        ok = m_ok[None, :] & n_ok[:, None]
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=ok)
+        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1)
+        last = ticket == num_splits - 1  # the slice that arrives last sums the partials and stores
+        if last:
+            tl.store(ticket_ptr + pid_n, 0)  # every slice has arrived: ready for the next launch
+            acc = tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, num_splits):
+                acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+    if last:
         _store_skinny(
             acc,
             offs_m,
@@ -336,33 +350,6 @@ def _skinny_mm_kernel(
             SCALE_ALONG_K,
             HAS_BIAS,
         )
-    else:
-        part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
-        ok = m_ok[None, :] & n_ok[:, None]
-        tl.store(part_ptrs + pid_k * M * N, acc, mask=ok)
-        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + pid_n, 1)
-        if ticket == num_splits - 1:
-            tl.store(ticket_ptr + pid_n, 0)  # every slice has arrived: ready for the next launch
-            acc = tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, num_splits):
-                acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            _store_skinny(
-                acc,
-                offs_m,
-                offs_n,
-                m_ok,
-                n_ok,
-                xs_ptr,
-                stride_xsm,
-                ws_ptrs,
-                bias_ptr,
-                out_ptr,
-                stride_om,
-                SCALE_ALONG_K,
-                HAS_BIAS,
-            )
 
 
 def run_skinny_mm(
