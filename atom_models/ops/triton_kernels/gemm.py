@@ -130,6 +130,40 @@ def _scaled_mm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _weights(w_q: Tensor, w_scale: Tensor, k: int, scale_k: int, block_k: int) -> tuple[Tensor, Tensor]:
+    """w with unit K stride and its scales as 2-D; checks that a K tile lies in one scale block."""
+    if w_q.stride(1) != 1:
+        w_q = w_q.contiguous()
+    if scale_k < k and scale_k % block_k:
+        raise ValueError(f"block_k {block_k} must divide the weight scale block's {scale_k} columns")
+    return w_q, w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
+
+
+def _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block: tuple[int, int], config) -> tuple[tuple, dict]:
+    """The strides and scale/bias constants both GEMM kernels take (a stride of 0 broadcasts one scale)."""
+    scale_n, scale_k = scale_block
+    along_k = scale_k < x.shape[1]
+    strides = (
+        x.stride(0),
+        1 if x_scale.numel() > 1 else 0,
+        w_q.stride(0),
+        ws.stride(0) if ws.shape[0] > 1 else 0,
+        ws.stride(1) if ws.shape[1] > 1 else 0,
+        out.stride(0),
+    )
+    constants = dict(
+        SCALE_N=scale_n,
+        SCALE_K=scale_k if along_k else config.block_k,
+        SCALE_ALONG_K=along_k,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+    )
+    return strides, constants
+
+
 def run_scaled_mm(
     x_q: Tensor,
     x_scale: Tensor,
@@ -144,16 +178,11 @@ def run_scaled_mm(
     scale_block (sn, sk), where sk >= K means one scale along K (per channel: (1, K); per tensor: [1])."""
     x = as_rows(x_q)
     (m, k), n = x.shape, w_q.shape[0]
-    if w_q.stride(1) != 1:
-        w_q = w_q.contiguous()
-    scale_n, scale_k = scale_block
-    config = config or default_config(m, n, k, scale_k, x.device)
-    along_k = scale_k < k
-    if along_k and scale_k % config.block_k:
-        raise ValueError(f"block_k {config.block_k} must divide the weight scale block's {scale_k} columns")
-    ws = w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
+    config = config or default_config(m, n, k, scale_block[1], x.device)
+    w_q, ws = _weights(w_q, w_scale, k, scale_block[1], config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m:
+        strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
         _scaled_mm_kernel[grid](
             x,
@@ -165,22 +194,10 @@ def run_scaled_mm(
             m,
             n,
             k,
-            x.stride(0),
-            1 if x_scale.numel() > 1 else 0,
-            w_q.stride(0),
-            ws.stride(0) if ws.shape[0] > 1 else 0,
-            ws.stride(1) if ws.shape[1] > 1 else 0,
-            out.stride(0),
-            SCALE_N=scale_n,
-            SCALE_K=scale_k if along_k else config.block_k,
-            SCALE_ALONG_K=along_k,
-            HAS_BIAS=bias is not None,
+            *strides,
             BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
             GROUP_M=config.group_m,
-            NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps,
+            **constants,
         )
     return out.reshape(*x_q.shape[:-1], n)
 
@@ -367,16 +384,11 @@ def run_skinny_mm(
     (m, k), n = x.shape, w_q.shape[0]
     if m > SKINNY_MAX_M:
         raise ValueError(f"the skinny GEMM serves at most {SKINNY_MAX_M} tokens, got {m}")
-    if w_q.stride(1) != 1:
-        w_q = w_q.contiguous()
-    scale_n, scale_k = scale_block
+    scale_k = scale_block[1]
     config = config or skinny_config(m, n, k, scale_k, x.device)
-    along_k = scale_k < k
-    if not config.dot and (m > 1 or along_k):
+    if not config.dot and (m > 1 or scale_k < k):
         raise ValueError(f"the CUDA-core GEMV serves one token with per-row weight scales, got {m} tokens")
-    if along_k and scale_k % config.block_k:
-        raise ValueError(f"block_k {config.block_k} must divide the weight scale block's {scale_k} columns")
-    ws = w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
+    w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
@@ -387,6 +399,7 @@ def run_skinny_mm(
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, n_tiles)
     if m:
+        strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
         _skinny_mm_kernel[(n_tiles, split_k)](
             x,
             x_scale,
@@ -401,23 +414,11 @@ def run_skinny_mm(
             k,
             k_per_split,
             split_k,
-            x.stride(0),
-            1 if x_scale.numel() > 1 else 0,
-            w_q.stride(0),
-            ws.stride(0) if ws.shape[0] > 1 else 0,
-            ws.stride(1) if ws.shape[1] > 1 else 0,
-            out.stride(0),
-            SCALE_N=scale_n,
-            SCALE_K=scale_k if along_k else config.block_k,
-            SCALE_ALONG_K=along_k,
-            HAS_BIAS=bias is not None,
+            *strides,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else 1,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
             SPLIT=split_k > 1,
             USE_DOT=config.dot,
-            NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps,
+            **constants,
         )
     return out.reshape(*x_q.shape[:-1], n)
 
