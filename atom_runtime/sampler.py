@@ -80,9 +80,6 @@ def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int]):
-        self.eos_token_ids = eos_token_ids
-
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> DeviceSample:
         """Sample one token per row; nothing here waits for the device."""
         params = [s.params for s in seqs]
@@ -121,10 +118,8 @@ class Sampler:
 
     def _block_stop_tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
-                stop_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
-                if stop_ids:
-                    logits[row, _on_device(sorted(stop_ids), torch.long, logits.device)] = float("-inf")
+            if seq.num_output_tokens < seq.params.min_tokens and seq.stops_on:
+                logits[row, _on_device(sorted(seq.stops_on), torch.long, logits.device)] = float("-inf")
         return logits
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:

@@ -60,6 +60,17 @@ def test_eos_stops(llm):
     assert eos is not None
 
 
+def test_min_tokens_holds_back_stop_tokens(llm):
+    first = llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids[0]
+    # The greedy first token is a stop token: alone it ends the output at once; min_tokens=4 masks it
+    # out of the first four samples, so they are all other tokens and the output runs on.
+    stops_at_once = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], ignore_eos=True)
+    assert llm.generate(PROMPTS[0], stops_at_once)[0].outputs[0].token_ids == [first]
+    held = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=4, ignore_eos=True)
+    tokens = llm.generate(PROMPTS[0], held)[0].outputs[0].token_ids
+    assert len(tokens) >= 5 and first not in tokens[:4]
+
+
 def test_temperature_sampling_is_seeded(llm):
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
     first = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
