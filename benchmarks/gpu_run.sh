@@ -13,7 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for stage in "$@"; do
-  echo "=== $stage"
+  echo "=== $stage (at ${SECONDS}s)"
   case $stage in
     tests) python3 -m pytest -q tests/test_gpu.py tests/test_runner.py 2>&1 \
              | grep -v Warning | tee "$OUT/tests.log" | tail -25 ;;
@@ -57,3 +57,4 @@ for _ in range(600):
     *) echo "unknown stage $stage" ;;
   esac
 done
+echo "=== done (at ${SECONDS}s)"
