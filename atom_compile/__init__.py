@@ -11,7 +11,7 @@ Python API for compiler experiments::
 
     @ac.register_pass("count_linears")
     def count_linears(gm):                            # a pass returns how often it matched
-        return sum(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes)
+        return sum(n.target is torch.ops.atom.linear.default for n in gm.graph.nodes)
 
     ac.export("MODEL_DIR", "ARTIFACT", passes="+count_linears", device="cpu")
     print(ac.compare("ARTIFACT"))                     # against the eager reference model

@@ -3,9 +3,9 @@
     python benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400
     python benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256
 
-Exports the preset with random weights, then for each batch size runs `LLM.generate` with
-`context`-token prompts and reports two times per decode step: `engine` (the whole step,
-scheduling and sampling included: generate with N+1 tokens minus generate with 1, over N)
+Exports the preset with random weights, then for each batch size streams `context`-token prompts
+through the engine and reports two times per decode step: `engine` (the whole step once every
+sequence decodes, scheduling, sampling and the outputs' delivery included; see `timed_decode`)
 and `graph` (replaying the step's CUDA graph alone at the timed steps' mean context, timed with
 CUDA events): `engine - graph` is what host work and the per-step extras around the graph add.
 """
@@ -13,6 +13,7 @@ CUDA events): `engine - graph` is what host work and the per-step extras around 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import tempfile
 import time
@@ -29,17 +30,42 @@ from atom_runtime.sequence import Sequence
 PHASES = ("schedule", "launch", "wait", "finish")
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, dict[str, float]]:
-    """Wall seconds, and seconds the engine spent in each phase of its steps."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def timed_decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, dict[str, float]]:
+    """Seconds per decode step while every sequence decodes, and the engine's seconds per step in each phase.
+
+    Every request streams. Once the request prefilled last has its first token, each step is a pure
+    decode step of the whole batch; from then until that request's last token, the steps are timed
+    (the outputs' arrival on the event loop, so host work on both threads counts) and the engine's
+    phase times read before and after.
+    """
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     stats = llm.engine.core.stats
-    before = {p: getattr(stats, f"{p}_time_s") for p in PHASES} | {"steps": stats.num_steps}
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    seconds = time.perf_counter() - started
-    after = {p: getattr(stats, f"{p}_time_s") for p in PHASES} | {"steps": stats.num_steps}
-    return seconds, {k: after[k] - before[k] for k in after}
+    num_started = 0  # requests that have their first token
+    marks: dict[str, tuple[float, int, dict[str, float]]] = {}
+
+    def mark(name: str, tokens: int) -> None:
+        marks[name] = (time.perf_counter(), tokens, {p: getattr(stats, f"{p}_time_s") for p in PHASES})
+
+    async def one(ids: list[int]) -> None:
+        nonlocal num_started
+        tokens, last_to_start = 0, False
+        async for output in llm.engine.generate(None, params, prompt_token_ids=ids, stream=True):
+            if not tokens:
+                num_started += 1
+                last_to_start = num_started == len(prompts)
+            tokens = len(output.outputs[0].token_ids)
+            if last_to_start and "start" not in marks:
+                mark("start", tokens)
+        if last_to_start:
+            mark("end", tokens)
+
+    async def run_all() -> None:
+        await asyncio.gather(*(one(ids) for ids in prompts))
+
+    asyncio.run(run_all())
+    (t0, n0, phases0), (t1, n1, phases1) = marks["start"], marks["end"]
+    measured = n1 - n0
+    return (t1 - t0) / measured, {p: (phases1[p] - phases0[p]) / measured for p in PHASES}
 
 
 def profile_step(llm: LLM, batch: int, out: Path) -> None:
@@ -63,13 +89,17 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
     """Where an engine step's wall time goes: GPU busy time (kernels and copies) against idle gaps.
 
     A trace of `generate` over `steps` decode steps; the GPU's busy intervals are merged, and the
-    gaps between them are where the device waited for the host.
+    gaps between them are where the device waited for the host. The host side's time by op goes to
+    `OUT.host.txt` (what a launch spends its time on).
     """
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    out.with_suffix(".host.txt").write_text(host)
+    print(f"\nhost time of {steps} engine steps (both threads), by op:\n{host}")
     trace = out.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
@@ -159,12 +189,10 @@ def main() -> None:
         rows = []
         for batch in args.batch_sizes:
             prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
-            timed_generate(llm, prompts, 4)  # warm-up
-            full, full_phases = timed_generate(llm, prompts, args.steps + 1)
-            prefill, prefill_phases = timed_generate(llm, prompts, 1)
-            engine_ms = (full - prefill) / args.steps * 1e3
-            steps = full_phases["steps"] - prefill_phases["steps"]
-            phases = {f"{p}_ms": (full_phases[p] - prefill_phases[p]) / steps * 1e3 for p in PHASES}
+            timed_decode(llm, prompts, 4)  # warm-up
+            step_s, phase_s = timed_decode(llm, prompts, args.steps)
+            engine_ms = step_s * 1e3
+            phases = {f"{p}_ms": seconds * 1e3 for p, seconds in phase_s.items()}
             kv_bytes = batch * (args.context + args.steps // 2) * kv_token_bytes
             roofline_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
             rows.append(

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import copy_bandwidth, device_name, graph_ms, median_ms, print_table, write_json
-from triton.runtime.errors import OutOfResources
+from bench_common import copy_bandwidth, device_name, print_table, write_json
+from bench_gemm import config_name, sweep_skinny, timed
 
 import atom_compile
 from atom_models.checkpoints import make_config_only
@@ -56,18 +56,6 @@ VARIANTS = {
 }
 
 
-# Graph replays read at least this many bytes of weight copies, so L2 (50 MB on H100) serves none of them.
-MIN_REPLAY_BYTES = 256 * 2**20
-
-
-def timed(timer: str, weight: torch.Tensor, call) -> float:
-    """Microseconds of `call(weight)`: graph replays over copies of the weight, or do_bench of one call."""
-    if timer == "do_bench":
-        return median_ms(partial(call, weight), 25, 100) * 1e3
-    copies = [weight] + [weight.clone() for _ in range(triton.cdiv(MIN_REPLAY_BYTES, weight.nbytes) - 1)]
-    return graph_ms([partial(call, copy) for copy in copies], 5, 20) * 1e3
-
-
 def sweep_configs(m: int) -> list[gemm.GemmConfig]:
     block_m = max(16, triton.next_power_of_2(m))
     return [
@@ -75,42 +63,6 @@ def sweep_configs(m: int) -> list[gemm.GemmConfig]:
         for block_n, stages, warps in product((32, 64, 128), (3, 4, 5), (4, 8))
         if warps == 4 or block_n == 128
     ]
-
-
-def skinny_sweep_configs(m: int, block: bool) -> list[gemm.SkinnyConfig]:
-    """The one-token GEMV's tiles (M = 1, per-row scales), and the MMA's tile widths, K tiles, K splits and depths."""
-    gemv = [
-        gemm.SkinnyConfig(block_n, block_k, 1, warps, stages, False)
-        for block_n, block_k, warps, stages in product((8, 16), (512, 1024), (2, 4), (2, 4))
-    ]
-    mma = [
-        gemm.SkinnyConfig(block_n, block_k, split_k, 4, stages, True)
-        for block_n, block_k, split_k, stages in product(
-            (64, 128), (128,) if block else (256, 512), (1, 2, 4, 8), (4, 5, 6)
-        )
-    ]
-    return (gemv if m == 1 and not block else []) + mma
-
-
-def config_name(config: gemm.SkinnyConfig) -> str:
-    kind = "mma" if config.dot else "gemv"
-    return f"{kind} n{config.block_n} k{config.block_k} split{config.split_k} w{config.num_warps} s{config.num_stages}"
-
-
-def sweep_skinny(timer: str, weight: torch.Tensor, run, m: int, block: bool) -> dict:
-    """Every skinny config (that fits in shared memory) of one weight layout, best first."""
-    results = []
-    for config in skinny_sweep_configs(m, block):
-        try:
-            results.append((timed(timer, weight, partial(run, config=config)), config))
-        except OutOfResources:
-            continue
-    results.sort(key=lambda t: t[0])
-    return {
-        "best_us": results[0][0],
-        "best_config": config_name(results[0][1]),
-        "all": [{"us": us, **asdict(config)} for us, config in results],
-    }
 
 
 def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, bandwidth: float) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
-# Stages: tests (GPU tests), kernel-tests, fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
+# Stages: tests (GPU tests), kernel-tests, gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
 #         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
 #         train-demo (the demo model, to $OUT/demo.tar.part-*; needs carry demo_corpus/{train,valid,chat}.txt,
 #         corpus.json, LICENSE-PSF.txt).
@@ -20,6 +20,9 @@ for stage in "$@"; do
     kernel-tests) python3 -m pytest -q tests/test_triton_kernels.py tests/test_fp8_kernels.py 2>&1 | tail -5 ;;
     fp8) python3 benchmarks/bench_fp8.py --stages gemm decode --out "$OUT/fp8.json" 2>&1 | grep -v Warning | tail -30 ;;
     fp8-offline) python3 benchmarks/bench_fp8.py --stages offline --out "$OUT/fp8-offline.json" 2>&1 | grep -v Warning | tail -12 ;;
+    gemm) python3 -m pytest -q tests/test_triton_kernels.py -k linear 2>&1 | tail -2
+      python3 benchmarks/bench_gemm.py --sweep --sweep-ms ${SWEEP_MS:-1 8} --out "$OUT/gemm.json" 2>&1 \
+        | grep -v -e Warning -e "M=" | tee "$OUT/gemm.log" | tail -80 ;;
     kernels) python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400 --profile \
              --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;

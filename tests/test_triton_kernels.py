@@ -18,6 +18,7 @@ from atom_models.ops.attention import (
     reshape_and_cache_reference,
     rope_and_cache_reference,
 )
+from atom_models.ops.linear import linear_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.quant import (
     FP8_DTYPE,
@@ -29,7 +30,7 @@ from atom_models.ops.quant import (
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_embedding_reference
 
 triton = pytest.importorskip("triton")
-from atom_models.ops.triton_kernels import activation, attention, common, norm, quant, rotary_cache  # noqa: E402
+from atom_models.ops.triton_kernels import activation, attention, common, gemm, norm, quant, rotary_cache  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -145,6 +146,46 @@ def test_quant_fp8_per_token(shape):
     q_ref, scale_ref = quant_fp8_per_token_reference(x)
     assert torch.equal(scale[0], scale_ref[0]) and torch.equal(q[0].float(), q_ref[0].float())
     assert_fp8_close((q, scale), (q_ref, scale_ref))
+
+
+LINEAR_CONFIGS = [  # (m, config): the one-token GEMV, uneven K splits, narrow and wide MMA tiles
+    (1, None),
+    (1, gemm.SkinnyConfig(8, 128, 3, 2, 2, False)),
+    (3, None),
+    (5, gemm.SkinnyConfig(32, 64, 3, 4, 3, True)),
+    (16, gemm.SkinnyConfig(64, 32, 2, 4, 2, True)),
+]
+
+
+@pytest.mark.parametrize("m,config", LINEAR_CONFIGS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear(m, config, bias):
+    """The skinny GEMM without scales: `linear` for decode-sized M (same-dtype x and weight)."""
+    n, k = 72, 200
+    x, w = randn(m, k), randn(n, k, scale=0.05)
+    b = randn(n) if bias else None
+    poison_allocator((m, n), DTYPE)
+    out = gemm.run_skinny_mm(x, None, w, None, b, DTYPE, (1, k), config)
+    assert_close(out, linear_reference(x, w, b))
+    assert not common.ticket_counters(x.device, 1).any()  # split-K merges reset their tickets
+
+
+@pytest.mark.parametrize("m", [1, 2] + ([13, 16, 17, 300] if CUDA else []))
+def test_linear_dispatch(m):
+    """The triton `linear` matches F.linear on both sides of its skinny-kernel threshold (3-D input, bf16).
+
+    On CPU only the one-token GEMV runs the kernel (the interpreter's bf16 `tl.dot` is wrong); M = 2 there
+    checks that the dispatch falls back for an fp32 weight."""
+    dtype = torch.bfloat16 if CUDA or m == 1 else torch.float32
+    x, w = randn(1, m, 136, dtype=dtype), randn(40, 136, dtype=dtype, scale=0.05)
+    assert_close(gemm.linear(x, w, None), linear_reference(x, w, None), tol=1e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (4, 6144, 4096), (16, 1024, 3072), (8, 151936, 1024)])
+def test_skinny_linear_gpu_shapes(m, n, k):
+    x, w = randn(m, k), randn(n, k, scale=0.02)
+    assert_close(gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, k)), linear_reference(x, w, None))
 
 
 def fused_qkv(tokens: int, q_heads: int, kv_heads: int, head_dim: int):

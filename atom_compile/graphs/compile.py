@@ -18,16 +18,12 @@ piece serves every layer that has its structure.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import sympy
 import torch
-from torch._guards import detect_fake_mode
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.export import Dim
 from torch.fx import GraphModule
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -59,45 +55,6 @@ def register_inductor_decompositions() -> None:
     for op, reference in inductor_decompositions().items():
         if op not in decompositions:
             register_decomposition(op)(reference)
-
-
-class UnfuseResidualAddmm(CustomGraphPass):
-    """Inductor post-grad pass: `addmm(residual, x, w)` back into `mm(x, w) + residual`.
-
-    Inductor folds a matmul plus a full-size addend (the residual stream: o_proj and down_proj
-    outputs plus the residual) into addmm, and addmm first copies the addend into its output:
-    a device-to-device memcpy per projection, two per layer, between every pair of kernels of a
-    decode step. Unfused, the add joins the RMSNorm kernel that reads both anyway. Bias vectors
-    (a 1-D addend, which cuBLAS adds in its epilogue) keep their addmm.
-    """
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        aten = torch.ops.aten
-        for node in list(graph.nodes):
-            if (
-                node.target is not aten.addmm.default
-                or node.kwargs.get("beta", 1) != 1
-                or node.kwargs.get("alpha", 1) != 1
-            ):
-                continue
-            addend, mat1, mat2 = node.args[:3]
-            value = node.meta.get("val")
-            addend_value = addend.meta.get("val")
-            if value is None or addend_value is None or addend_value.dim() != value.dim():
-                continue
-            if not all(statically_known_true(a == b) for a, b in zip(addend_value.shape, value.shape, strict=True)):
-                continue  # a broadcast addend (a bias): cuBLAS adds it in its epilogue
-            with graph.inserting_before(node):
-                product = graph.call_function(aten.mm.default, (mat1, mat2))
-                total = graph.call_function(aten.add.Tensor, (product, addend))
-            with detect_fake_mode([value]) or nullcontext():
-                product.meta["val"] = torch.ops.aten.mm.default(mat1.meta["val"], mat2.meta["val"])
-                total.meta["val"] = product.meta["val"] + addend.meta["val"]
-            node.replace_all_uses_with(total)
-            graph.erase_node(node)
-
-    def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
 
 
 def _dim(expr: sympy.Expr, dims: dict[str, Dim]):
@@ -141,7 +98,7 @@ def compile_piece(piece: GraphModule, path: Path, device: torch.device) -> str:
     """Inductor-compile `piece` for dynamic sizes into `path`; returns the format used."""
     register_inductor_decompositions()
     fmt = FORMATS[device.type]
-    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=UnfuseResidualAddmm()):
+    with torch.no_grad():
         if fmt == "aoti":
             args, dynamic = example_inputs(piece, device)
             exported = torch.export.export(piece, tuple(args), dynamic_shapes=tuple(dynamic))

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from atom_models.ops.quant import (
@@ -189,10 +188,10 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         spec = self.quant
         if spec is None:
-            return F.linear(x, self.weight, self.bias)
+            return torch.ops.atom.linear(x, self.weight, self.bias)
         if spec.activations == "none":  # weight-only: dequantize, multiply in the activation dtype
             weight = dequantize_weight(self.weight, self.weight_scale, spec.block_size).to(x.dtype)
-            return F.linear(x, weight, self.bias)
+            return torch.ops.atom.linear(x, weight, self.bias)
         if spec.activations == "static_per_tensor":
             x_q, x_scale = quantize_fp8_static(x, self.input_scale), self.input_scale
         else:

@@ -15,6 +15,10 @@ Decode (M up to SKINNY_MAX_M) is bandwidth-bound and takes `_skinny_mm_kernel` i
 dispatch functions: at M = 1 on Llama-3-8B's projections cuBLASLt reached 42-75% of the weight-read
 roofline and the tile kernel above 47-85%, the skinny kernel 67-92% (H100, CUDA-graph replays; the
 rest is mostly a fixed ~2.5 us a launch). `benchmarks/bench_fp8.py --sweep` measures the alternatives.
+
+The same skinny kernel, without scales, serves `linear` (bf16/fp16 weights) for decode-sized M, where
+cuBLAS picks tiles that leave most multiprocessors idle (4096 x 4096 at M = 1: 64 programs on 132
+multiprocessors, 20.6 us against an 11.2 us roofline); `benchmarks/bench_gemm.py` measures it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -130,12 +135,14 @@ def _scaled_mm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _weights(w_q: Tensor, w_scale: Tensor, k: int, scale_k: int, block_k: int) -> tuple[Tensor, Tensor]:
+def _weights(w_q: Tensor, w_scale: Tensor | None, k: int, scale_k: int, block_k: int) -> tuple[Tensor, Tensor | None]:
     """w with unit K stride and its scales as 2-D; checks that a K tile lies in one scale block."""
     if w_q.stride(1) != 1:
         w_q = w_q.contiguous()
     if scale_k < k and scale_k % block_k:
         raise ValueError(f"block_k {block_k} must divide the weight scale block's {scale_k} columns")
+    if w_scale is None:
+        return w_q, None
     return w_q, w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
 
 
@@ -224,7 +231,7 @@ class SkinnyConfig:
     dot: bool
 
 
-def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device) -> SkinnyConfig:
+def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, weight_bytes: int = 1) -> SkinnyConfig:
     """The launch `run_skinny_mm` uses, from graph-replay timings with the weight streamed from HBM
     (`benchmarks/bench_fp8.py --sweep`, H100 and H200).
 
@@ -235,29 +242,44 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device) ->
     allows. Pipelines 5 stages deep, or 4 when N gives several programs a multiprocessor, so two fit in
     its shared memory. K is split while programs x block_k stays within multiprocessors x 256 (one
     program of 256-wide tiles a multiprocessor, two of 128-wide ones) and each slice keeps 4 K tiles.
+    Wider weights (`weight_bytes` 2: bf16) take K tiles of as many bytes, half as many columns.
     """
     sms = _multiprocessors(device)
     long_n = triton.cdiv(n, 64) >= 2 * sms
     if m == 1 and scale_k >= k:
-        block_n, block_k, num_warps, num_stages, dot = 8, 512, 2, 4, False
+        block_n, block_k, num_warps, num_stages, dot = 8, 512 // weight_bytes, 2, 4, False
     else:
         block_n = 128 if long_n and m > 16 else 64
-        block_k = 256 if scale_k >= k else min(128, scale_k & -scale_k)
+        block_k = 256 // weight_bytes if scale_k >= k else min(128, scale_k & -scale_k)
         num_warps, num_stages, dot = 4, 4 if long_n else 5, True
     programs, split_k = triton.cdiv(n, block_n), 1
-    while programs * split_k * 2 * block_k <= sms * 256 and k // (split_k * 2) >= 4 * block_k:
+    while programs * split_k * 2 * block_k * weight_bytes <= sms * 256 and k // (split_k * 2) >= 4 * block_k:
         split_k *= 2
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
 
 
 @triton.jit
 def _store_skinny(
-    acc, offs_m, offs_n, m_ok, n_ok, xs_ptr, stride_xsm, ws_ptrs, bias_ptr, out_ptr, stride_om, SCALE_ALONG_K, HAS_BIAS
+    acc,
+    offs_m,
+    offs_n,
+    m_ok,
+    n_ok,
+    xs_ptr,
+    stride_xsm,
+    ws_ptrs,
+    bias_ptr,
+    out_ptr,
+    stride_om,
+    SCALED,
+    SCALE_ALONG_K,
+    HAS_BIAS,
 ):
     """out[m, n] = acc[n, m] times the scales not applied yet, plus bias."""
-    if not SCALE_ALONG_K:
-        acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
-    acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
+    if SCALED:
+        if not SCALE_ALONG_K:
+            acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
+        acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -287,6 +309,7 @@ def _skinny_mm_kernel(
     stride_om,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    SCALED: tl.constexpr,
     SCALE_ALONG_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -296,7 +319,9 @@ def _skinny_mm_kernel(
     USE_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """The scaled GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
+    """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
+
+    SCALED: fp8 operands with the scales of `_scaled_mm_kernel`; else plain bf16/fp16 ones (`linear`).
 
     A decode GEMM reads each weight byte once and does almost no arithmetic on it, so what counts
     is bytes in flight: many programs (narrow N tiles, and K split in `num_splits` slices when N alone
@@ -364,6 +389,7 @@ def _skinny_mm_kernel(
             bias_ptr,
             out_ptr,
             stride_om,
+            SCALED,
             SCALE_ALONG_K,
             HAS_BIAS,
         )
@@ -371,25 +397,31 @@ def _skinny_mm_kernel(
 
 def run_skinny_mm(
     x_q: Tensor,
-    x_scale: Tensor,
+    x_scale: Tensor | None,
     w_q: Tensor,
-    w_scale: Tensor,
+    w_scale: Tensor | None,
     bias: Tensor | None,
     out_dtype: torch.dtype,
     scale_block: tuple[int, int],
     config: SkinnyConfig | None = None,
 ) -> Tensor:
-    """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`."""
+    """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
+
+    Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w.
+    """
     x = as_rows(x_q)
     (m, k), n = x.shape, w_q.shape[0]
     if m > SKINNY_MAX_M:
         raise ValueError(f"the skinny GEMM serves at most {SKINNY_MAX_M} tokens, got {m}")
     scale_k = scale_block[1]
-    config = config or skinny_config(m, n, k, scale_k, x.device)
+    config = config or skinny_config(m, n, k, scale_k, x.device, w_q.element_size())
     if not config.dot and (m > 1 or scale_k < k):
         raise ValueError(f"the CUDA-core GEMV serves one token with per-row weight scales, got {m} tokens")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    scaled = ws is not None
+    if not scaled:  # unused scale pointers
+        x_scale = ws = out
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -416,6 +448,7 @@ def run_skinny_mm(
             split_k,
             *strides,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else 1,
+            SCALED=scaled,
             SPLIT=split_k > 1,
             USE_DOT=config.dot,
             **constants,
@@ -454,3 +487,15 @@ def scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.reshape(*x_q.shape[:-1], n)
+
+
+# Largest token count `linear` sends to the skinny kernel rather than cuBLAS (bf16 weights).
+SKINNY_LINEAR_MAX_M = 16
+
+
+@register_impl("linear", "triton")
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= SKINNY_LINEAR_MAX_M and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
+        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, x.shape[-1]))
+    return F.linear(x, weight, bias)
