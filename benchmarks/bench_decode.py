@@ -17,6 +17,7 @@ import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,13 +31,15 @@ from atom_runtime.sequence import Sequence
 PHASES = ("schedule", "launch", "wait", "finish")
 
 
-def timed_decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, dict[str, float]]:
+def timed_decode(
+    llm: LLM, prompts: list[list[int]], steps: int, on_mark: Callable[[str], None] | None = None
+) -> tuple[float, dict[str, float]]:
     """Seconds per decode step while every sequence decodes, and the engine's seconds per step in each phase.
 
     Every request streams. Once the request prefilled last has its first token, each step is a pure
     decode step of the whole batch; from then until that request's last token, the steps are timed
     (the outputs' arrival on the event loop, so host work on both threads counts) and the engine's
-    phase times read before and after.
+    phase times read before and after. `on_mark("start")` and `on_mark("end")` are called at both ends.
     """
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     stats = llm.engine.core.stats
@@ -45,6 +48,8 @@ def timed_decode(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float,
 
     def mark(name: str, tokens: int) -> None:
         marks[name] = (time.perf_counter(), tokens, {p: getattr(stats, f"{p}_time_s") for p in PHASES})
+        if on_mark is not None:
+            on_mark(name)
 
     async def one(ids: list[int]) -> None:
         nonlocal num_started
@@ -88,15 +93,13 @@ def profile_step(llm: LLM, batch: int, out: Path) -> None:
 def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) -> dict:
     """Where an engine step's wall time goes: GPU busy time (kernels and copies) against idle gaps.
 
-    A trace of `generate` over `steps` decode steps; the GPU's busy intervals are merged, and the
-    gaps between them are where the device waited for the host. The host side's time by op goes to
-    `OUT.host.txt` (what a launch spends its time on).
+    A trace of the decode steps `timed_decode` times (prefill left out); the GPU's busy intervals are
+    merged, and the gaps between them are where the device waited for the host. The host side's time
+    by op goes to `OUT.host.txt` (what a launch spends its time on).
     """
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    prof = torch.profiler.profile(activities=activities)
+    timed_decode(llm, prompts, steps, on_mark=lambda name: prof.start() if name == "start" else prof.stop())
     host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     out.with_suffix(".host.txt").write_text(host)
     print(f"\nhost time of {steps} engine steps (both threads), by op:\n{host}")
@@ -167,7 +170,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     parser.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     parser.add_argument(
-        "--profile", action="store_true", help="also profile an eager step and trace the engine at the smallest batch"
+        "--profile",
+        action="store_true",
+        help="also profile an eager step, and trace the engine at the smallest and the largest batch",
     )
     args = parser.parse_args()
 
@@ -210,8 +215,10 @@ def main() -> None:
         trace = None
         if args.profile:
             profile_step(llm, min(args.batch_sizes), args.out.with_suffix(".profile.txt"))
-            prompts = torch.randint(0, config.vocab_size, (min(args.batch_sizes), args.context), generator=generator)
-            trace = profile_engine(llm, prompts.tolist(), 32, args.out)
+            trace = {}
+            for batch in sorted({min(args.batch_sizes), max(args.batch_sizes)}):
+                prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
+                trace[batch] = profile_engine(llm, prompts, 32, args.out.with_name(f"{args.out.stem}-b{batch}"))
         llm.shutdown()
     manifest = llm.engine.core.runner.model.forward.manifest
     scheme = (manifest["quantization"] or {}).get("method") or manifest["dtype"]
