@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -29,6 +30,12 @@ from atom_runtime.sampler import SampledTokens
 from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# How long a thread waiting for the GIL lets the holder run before asking for it (CPython's default:
+# 5 ms). The core thread releases the GIL in every CUDA call that waits or launches a graph; with the
+# default, each such release could hand the event loop (busy with a large batch's outputs) 5 ms before
+# the next step's launch resumed, idling the GPU. A short interval bounds that wait.
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 class EngineDeadError(RuntimeError):
@@ -96,6 +103,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._stopping = False
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._core_loop, name="atom-engine-core", daemon=True)
         self._thread.start()
 

@@ -45,6 +45,7 @@ def timed_decode(
     stats = llm.engine.core.stats
     num_started = 0  # requests that have their first token
     marks: dict[str, tuple[float, int, dict[str, float]]] = {}
+    arrivals: list[float] = []  # the timed request's outputs after the start mark
 
     def mark(name: str, tokens: int) -> None:
         marks[name] = (time.perf_counter(), tokens, {p: getattr(stats, f"{p}_time_s") for p in PHASES})
@@ -61,6 +62,8 @@ def timed_decode(
             tokens = len(output.outputs[0].token_ids)
             if last_to_start and "start" not in marks:
                 mark("start", tokens)
+            elif last_to_start:
+                arrivals.append(time.perf_counter())
         if last_to_start:
             mark("end", tokens)
 
@@ -70,7 +73,11 @@ def timed_decode(
     asyncio.run(run_all())
     (t0, n0, phases0), (t1, n1, phases1) = marks["start"], marks["end"]
     measured = n1 - n0
-    return (t1 - t0) / measured, {p: (phases1[p] - phases0[p]) / measured for p in PHASES}
+    gaps = sorted(b - a for a, b in zip([t0, *arrivals], arrivals, strict=False))
+    phases = {p: (phases1[p] - phases0[p]) / measured for p in PHASES}
+    # Steps are even unless something stalls now and then (a median far below the mean says so).
+    phases |= {"median_step": gaps[len(gaps) // 2], "slowest_step": gaps[-1]}
+    return (t1 - t0) / measured, phases
 
 
 def profile_step(llm: LLM, batch: int, out: Path) -> None:
@@ -230,10 +237,13 @@ def main() -> None:
         [
             ("batch", "batch", "d"),
             ("engine_ms", "engine ms", ".3f"),
+            ("median_step_ms", "median ms", ".3f"),
             ("graph_ms", "graph ms", ".3f"),
             ("roofline_ms", "roofline ms", ".3f"),
             ("fraction_of_roofline", "of roofline", ".2f"),
             ("tokens_per_s", "tok/s", ".0f"),
+            ("launch_ms", "launch ms", ".3f"),
+            ("wait_ms", "wait ms", ".3f"),
         ],
     )
     write_json(
