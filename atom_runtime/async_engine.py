@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import queue
 import sys
@@ -104,6 +105,12 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stopping = False
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        # What is loaded by now (model, compiled pieces, graphs, tokenizer: ~10^5-10^6 objects) lives as long
+        # as the engine. Frozen, it is out of the collector's way: otherwise a full collection, which the
+        # per-step objects of a large batch trigger every so often, scans all of it and stalls a step by
+        # 0.1-0.4 s (measured at batch 256 on an H100 host). Unfrozen again at shutdown.
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._core_loop, name="atom-engine-core", daemon=True)
         self._thread.start()
 
@@ -330,5 +337,6 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(("stop", ()))
             self._thread.join(timeout=10)
+            gc.unfreeze()  # what this engine held may be collected again
         if free_memory and not self._thread.is_alive():
             self.core.runner.release()
