@@ -25,6 +25,7 @@ from bench_common import copy_bandwidth, device_name, dummy_artifact, print_tabl
 
 from atom_models.llama import head_dim_of
 from atom_runtime import LLM, SamplingParams
+from atom_runtime.config import KV_CACHE_DTYPES
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import Sequence
 
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--context", type=int, default=400, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     parser.add_argument(
         "--profile",
@@ -191,12 +193,14 @@ def main() -> None:
             max_model_len=args.context + args.steps + 16,
             enable_prefix_caching=False,
             cudagraph_capture_sizes=args.batch_sizes,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         config = llm.engine.core.runner.model.config
         weights = llm.engine.core.runner.model.forward.weights
         weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values())
         bandwidth = copy_bandwidth()
-        kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * 2
+        kv_element = llm.engine.core.runner.kv_caches[0].element_size()
+        kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * kv_element
         generator = torch.Generator().manual_seed(0)
         rows = []
         for batch in args.batch_sizes:

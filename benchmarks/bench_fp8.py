@@ -17,8 +17,9 @@ overhead between calls, as in a decode step; `--timer do_bench` times single cal
 config of `skinny_sweep_configs` next to its default (`gemm.skinny_config`), printed as a second
 table (best config per shape, M and layout) and written to the JSON rows as `skinny_{block,channel}_sweep`
 (every config's time). decode / offline: artifacts with random weights, exported
-bf16, FP8 online per-channel (`--quantization fp8`) and FP8 block-128 (a config.json carrying an
-fp8 `quantization_config`), each timed by `bench_decode.py` / `bench_offline.py` in a subprocess.
+bf16, FP8 online per-channel (`--quantization fp8`), FP8 block-128 (a config.json carrying an
+fp8 `quantization_config`) and per-channel with an FP8 KV cache (`--kv-cache-dtype fp8`), each timed
+by `bench_decode.py` / `bench_offline.py` in a subprocess.
 Prints tables and writes JSON.
 """
 
@@ -49,10 +50,12 @@ HERE = Path(__file__).resolve().parent
 # Llama-3-8B's projections as (name, N, K); gate_up and qkv are packed.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("up", 14336, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# name -> (config.json overrides, --quantization, --kv-cache-dtype)
 VARIANTS = {
-    "bf16": ({}, None),
-    "fp8 per-channel": ({}, "fp8"),
-    "fp8 block-128": ({"quantization_config": BLOCK_FP8}, None),
+    "bf16": ({}, None, "auto"),
+    "fp8 per-channel": ({}, "fp8", "auto"),
+    "fp8 block-128": ({"quantization_config": BLOCK_FP8}, None, "auto"),
+    "fp8 + fp8 KV": ({}, "fp8", "fp8"),
 }
 
 
@@ -120,16 +123,23 @@ def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, band
 
 
 def export_variants(preset: str, workdir: Path) -> dict[str, Path]:
-    """Random-weight artifacts of `preset`: bf16, FP8 per-channel (online), FP8 block-128 (fp8 config)."""
-    artifacts = {}
-    for name, (overrides, quantization) in VARIANTS.items():
-        model_dir = make_config_only(workdir / f"{name.replace(' ', '-')}-config", preset, **overrides)
-        artifact = workdir / f"{name.replace(' ', '-')}-artifact"
+    """Random-weight artifacts of `preset`, one a variant: bf16, FP8 per-channel (online), FP8 block-128 (an fp8
+    config.json); variants that differ only in their KV-cache dtype share one."""
+    artifacts: dict[tuple, Path] = {}
+    for overrides, quantization, _ in VARIANTS.values():
+        key = (json.dumps(overrides, sort_keys=True), quantization)
+        if key in artifacts:
+            continue
+        name = f"{quantization or 'none'}-{len(artifacts)}"
+        model_dir = make_config_only(workdir / f"{name}-config", preset, **overrides)
+        artifacts[key] = workdir / f"{name}-artifact"
         atom_compile.export(
-            model_dir, artifact, device="cuda", load_dummy=True, dtype="bfloat16", quantization=quantization
+            model_dir, artifacts[key], device="cuda", load_dummy=True, dtype="bfloat16", quantization=quantization
         )
-        artifacts[name] = artifact
-    return artifacts
+    return {
+        name: artifacts[(json.dumps(overrides, sort_keys=True), quantization)]
+        for name, (overrides, quantization, _) in VARIANTS.items()
+    }
 
 
 def run_script(script: str, artifact: Path, out: Path, extra: list[str]) -> dict:
@@ -217,12 +227,13 @@ def main() -> None:
                 rows = []
                 for name, artifact in artifacts.items():
                     out = Path(tmp) / f"{stage}-{name.replace(' ', '-')}.json"
+                    kv = ["--kv-cache-dtype", VARIANTS[name][2]]
                     if stage == "decode":
-                        extra = ["--batch-sizes", *map(str, args.batch_sizes)]
+                        extra = ["--batch-sizes", *map(str, args.batch_sizes), *kv]
                         measured = run_script("bench_decode.py", artifact, out, extra)
                         rows += [{"variant": name, **r} for r in measured["rows"]]
                     else:
-                        extra = ["--num-prompts", str(args.offline_prompts)]
+                        extra = ["--num-prompts", str(args.offline_prompts), *kv]
                         rows.append({"variant": name, **run_script("bench_offline.py", artifact, out, extra)})
                 result[stage] = rows
         if "decode" in result:

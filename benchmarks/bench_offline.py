@@ -17,6 +17,7 @@ import torch
 from bench_common import device_name, dummy_artifact, print_table, write_json
 
 from atom_runtime import LLM, SamplingParams
+from atom_runtime.config import KV_CACHE_DTYPES
 
 
 def main() -> None:
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--passes", default=None, help="export with these passes (see atom-compile passes)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--out", type=Path, default=Path("bench_offline.json"))
     args = parser.parse_args()
 
@@ -47,6 +49,7 @@ def main() -> None:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max(i + o for i, o in zip(input_lens, output_lens, strict=True)) + 1,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         vocab = llm.engine.core.runner.model.config.vocab_size
         prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in input_lens]

@@ -19,7 +19,7 @@ for stage in "$@"; do
              | grep -v Warning | tee "$OUT/tests.log" | tail -25 ;;
     kernel-tests) python3 -m pytest -q tests/test_triton_kernels.py tests/test_fp8_kernels.py 2>&1 | tail -5 ;;
     fp8) python3 benchmarks/bench_fp8.py --stages gemm decode --out "$OUT/fp8.json" 2>&1 | grep -v Warning | tail -30 ;;
-    fp8-offline) python3 benchmarks/bench_fp8.py --stages offline --out "$OUT/fp8-offline.json" 2>&1 | grep -v Warning | tail -12 ;;
+    fp8-offline) python3 benchmarks/bench_fp8.py --stages offline --offline-prompts ${OFFLINE_PROMPTS:-400} --out "$OUT/fp8-offline.json" 2>&1 | grep -v Warning | tail -12 ;;
     gemm) python3 -m pytest -q tests/test_triton_kernels.py -k linear 2>&1 | tail -2
       python3 benchmarks/bench_gemm.py --sweep --sweep-ms ${SWEEP_MS:-1 8} --out "$OUT/gemm.json" 2>&1 \
         | grep -v -e Warning -e "M=" | tee "$OUT/gemm.log" | tail -80 ;;
