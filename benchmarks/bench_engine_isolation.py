@@ -49,6 +49,7 @@ async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tok
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
+        "return_token_ids": True,  # a chunk for every token, even one whose text is held back
     }
     gaps, last = [], None
     async with client.stream("POST", "/v1/completions", json=body) as response:

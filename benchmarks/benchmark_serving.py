@@ -80,6 +80,9 @@ def payload(args: argparse.Namespace, request: Request) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": args.ignore_eos,
+        # Token ids with every chunk (vLLM's and atom's extension): a token whose text is held back (part of a
+        # character, or a random-weight model's ids past its tokenizer's vocabulary) still counts as it arrives.
+        "return_token_ids": True,
     }
     if args.backend == "openai-chat":
         body.update(messages=[{"role": "user", "content": request.prompt}], max_completion_tokens=request.output_len)
@@ -108,7 +111,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> R
                     result.output_len = data["usage"]["completion_tokens"]
                 choices = data.get("choices") or [{}]
                 text = choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")
-                if text:
+                if text or choices[0].get("token_ids"):
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
