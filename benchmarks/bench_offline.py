@@ -70,7 +70,8 @@ def main() -> None:
         "preemptions": stats.num_preemptions,
     }
     print_table(
-        f"offline, {args.preset}, {args.num_prompts} prompts × ({args.input_len} in, {args.output_len} out), "
+        f"offline, {args.artifact.name if args.artifact else args.preset}, "
+        f"{args.num_prompts} prompts × ({args.input_len} in, {args.output_len} out), "
         f"{device_name()}",
         [row],
         [
