@@ -7,6 +7,7 @@ import gc
 import pytest
 
 from atom_runtime import LLM, SamplingParams
+from atom_runtime.async_engine import AsyncEngine
 
 PROMPTS = ["Hello", "The quick brown fox jumps over", "a", "Once upon a time, in a land far away, there"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -98,14 +99,19 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
         SamplingParams(stop=["x"], detokenize=False)
 
 
-def test_engine_freezes_what_it_loaded_until_shutdown(tiny_llama):
-    """A full garbage collection never scans the loaded model (it stalled large-batch steps by 0.1-0.4 s)."""
-    engine = LLM(tiny_llama, device="cpu", block_size=4)
+def test_engines_freeze_what_they_loaded_until_the_last_shuts_down(tiny_llama):
+    """A full garbage collection never scans a loaded model (it stalled large-batch steps by 0.1-0.4 s)."""
+    before = AsyncEngine._running  # engines of other tests (this module's `llm`) may be running
+    first = LLM(tiny_llama, device="cpu", block_size=4)
+    second = LLM(tiny_llama, device="cpu", block_size=4)
     try:
         frozen = gc.get_freeze_count()
-        assert frozen > 10_000  # the model, tokenizer and their modules
-        engine.generate(PROMPTS, GREEDY)
-        assert gc.get_freeze_count() == frozen
+        assert frozen > 10_000 and AsyncEngine._running == before + 2  # the models, tokenizers, their modules
+        second.generate(PROMPTS, GREEDY)
+        second.shutdown()
+        assert gc.get_freeze_count() > frozen // 2  # `first` still runs: still frozen
     finally:
-        engine.shutdown()
-    assert gc.get_freeze_count() == 0
+        first.shutdown()
+        second.shutdown()  # a second shutdown changes nothing
+    assert AsyncEngine._running == before
+    assert (gc.get_freeze_count() == 0) == (before == 0)
