@@ -242,7 +242,9 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     allows. Pipelines 5 stages deep, or 4 when N gives several programs a multiprocessor, so two fit in
     its shared memory. K is split while programs x block_k stays within multiprocessors x 256 (one
     program of 256-wide tiles a multiprocessor, two of 128-wide ones) and each slice keeps 4 K tiles.
-    Wider weights (`weight_bytes` 2: bf16) take K tiles of as many bytes, half as many columns.
+    Wider weights (`weight_bytes` 2: bf16) take K tiles of as many bytes, half as many columns, and split
+    K only up to half as many programs: in `bench_gemm.py --sweep` (H100, M = 8) splitting further lost
+    on every shape (Qwen3-0.6B qkv 5.6 -> 6.4 us, Llama-3-8B o_proj 15.6 -> 16.1) and won on none.
     """
     sms = _multiprocessors(device)
     long_n = triton.cdiv(n, 64) >= 2 * sms
@@ -252,8 +254,8 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
         block_n = 128 if long_n and m > 16 else 64
         block_k = 256 // weight_bytes if scale_k >= k else min(128, scale_k & -scale_k)
         num_warps, num_stages, dot = 4, 4 if long_n else 5, True
-    programs, split_k = triton.cdiv(n, block_n), 1
-    while programs * split_k * 2 * block_k * weight_bytes <= sms * 256 and k // (split_k * 2) >= 4 * block_k:
+    programs, split_k, budget = triton.cdiv(n, block_n), 1, sms * 256 // weight_bytes
+    while programs * split_k * 2 * block_k * weight_bytes <= budget and k // (split_k * 2) >= 4 * block_k:
         split_k *= 2
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
 
