@@ -91,9 +91,42 @@ class _RequestState:
         )
 
 
-class AsyncEngine:
-    _running = 0  # engines started and not shut down, in this process
+class EngineProcessSettings:
+    """What running engines change for the whole process, undone when the last of them shuts down.
 
+    - The GIL switch interval (GIL_SWITCH_INTERVAL_S).
+    - The garbage collector: what is loaded by the time an engine starts (model, compiled pieces, graphs,
+      tokenizer: 10^5-10^6 objects) lives as long as the engine, and is frozen out of the collector's
+      way. Otherwise a full collection, which the per-step objects of a large batch trigger every so
+      often, scans all of it and stalls a step by 0.1-0.4 s (measured at batch 256 on an H100 host).
+      Freezing takes whatever else the process holds at that moment too; it is collectable again once
+      no engine runs.
+    """
+
+    running = 0  # engines started and not shut down
+    _lock = threading.Lock()
+    _switch_interval = 0.0
+
+    @classmethod
+    def engine_started(cls) -> None:
+        with cls._lock:
+            if not cls.running:
+                cls._switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(cls._switch_interval, GIL_SWITCH_INTERVAL_S))
+            gc.collect()
+            gc.freeze()
+            cls.running += 1
+
+    @classmethod
+    def engine_stopped(cls) -> None:
+        with cls._lock:
+            cls.running -= 1
+            if not cls.running:
+                gc.unfreeze()
+                sys.setswitchinterval(cls._switch_interval)
+
+
+class AsyncEngine:
     def __init__(self, core: EngineCore, tokenizer: PreTrainedTokenizerBase, model_name: str):
         self.core = core
         self.tokenizer = tokenizer
@@ -106,15 +139,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._stopping = False
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
-        # What is loaded by now (model, compiled pieces, graphs, tokenizer: ~10^5-10^6 objects) lives as long
-        # as the engine. Frozen, it is out of the collector's way: otherwise a full collection, which the
-        # per-step objects of a large batch trigger every so often, scans all of it and stalls a step by
-        # 0.1-0.4 s (measured at batch 256 on an H100 host). Unfrozen when the last engine shuts down.
-        gc.collect()
-        gc.freeze()
-        AsyncEngine._running += 1
-        self._counted = True
+        EngineProcessSettings.engine_started()
+        self._counted = True  # in EngineProcessSettings.running, until its core thread has stopped
         self._thread = threading.Thread(target=self._core_loop, name="atom-engine-core", daemon=True)
         self._thread.start()
 
@@ -137,12 +163,21 @@ class AsyncEngine:
                 if self.core.has_work():
                     output = self.core.step()
                     if output is not None:
-                        self._loop.call_soon_threadsafe(self._on_updates, output)
+                        self._deliver(output)
         except BaseException as error:  # noqa: BLE001  (reported to every waiting request)
             logger.exception("engine core failed")
             self._error = error
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _deliver(self, output: StepOutput) -> None:
+        """Hand a step's tokens to the event loop; none if it has closed (its requests, aborted, wait for nothing)."""
+        loop = self._loop
+        try:
+            loop.call_soon_threadsafe(self._on_updates, output)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -341,10 +376,8 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(("stop", ()))
             self._thread.join(timeout=10)
-        if self._counted:
+        if self._counted and not self._thread.is_alive():
             self._counted = False
-            AsyncEngine._running -= 1
-            if not AsyncEngine._running:
-                gc.unfreeze()  # what the engines held may be collected again
+            EngineProcessSettings.engine_stopped()
         if free_memory and not self._thread.is_alive():
             self.core.runner.release()

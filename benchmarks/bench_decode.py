@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
@@ -21,15 +22,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import uvloop
 from bench_common import copy_bandwidth, device_name, dummy_artifact, print_table, write_json
 
 from atom_models.llama import head_dim_of
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.config import KV_CACHE_DTYPES
+from atom_runtime.config import KV_CACHE_DTYPES, EngineConfig
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import Sequence
 
 PHASES = ("schedule", "launch", "wait", "finish")
+
+
+def prefill_steps(num_prompts: int, context: int, budget: int) -> int:
+    """Steps it takes to prefill `num_prompts` prompts of `context` tokens at `budget` tokens a step (and one spare)."""
+    return -(-num_prompts * context // budget) + 1
 
 
 def timed_decode(
@@ -37,12 +44,16 @@ def timed_decode(
 ) -> tuple[float, dict[str, float]]:
     """Seconds per decode step while every sequence decodes, and the engine's seconds per step in each phase.
 
-    Every request streams. Once the request prefilled last has its first token, each step is a pure
-    decode step of the whole batch; from then until that request's last token, the steps are timed
-    (the outputs' arrival on the event loop, so host work on both threads counts) and the engine's
-    phase times read before and after. `on_mark("start")` and `on_mark("end")` are called at both ends.
+    Every request streams, and asks for enough tokens to outlast the prefill of the others. Once the
+    request prefilled last has its first token, each step is a decode step of the whole batch: the next
+    `steps` of them are timed (the outputs' arrival on the event loop, so host work on both threads
+    counts) and the engine's phase times read before and after; then every request is dropped (aborted),
+    so no step of a shrinking batch is timed. `on_mark("start")` and `on_mark("end")` are called at both ends.
     """
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    if steps < 1:
+        raise ValueError(f"time at least one decode step, got {steps}")
+    slack = prefill_steps(len(prompts), max(map(len, prompts)), llm.engine.core.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=steps + slack + 1, ignore_eos=True)
     stats = llm.engine.core.stats
     num_started = 0  # requests that have their first token
     marks: dict[str, tuple[float, int, dict[str, float]]] = {}
@@ -56,22 +67,29 @@ def timed_decode(
     async def one(ids: list[int]) -> None:
         nonlocal num_started
         tokens, last_to_start = 0, False
-        async for output in llm.engine.generate(None, params, prompt_token_ids=ids, stream=True):
-            if not tokens:
-                num_started += 1
-                last_to_start = num_started == len(prompts)
-            tokens = len(output.outputs[0].token_ids)
-            if last_to_start and "start" not in marks:
-                mark("start", tokens)
-            elif last_to_start:
+        async with contextlib.aclosing(llm.engine.generate(None, params, prompt_token_ids=ids)) as outputs:
+            async for output in outputs:
+                if "end" in marks:
+                    return  # closing the stream aborts the request
+                if not tokens:
+                    num_started += 1
+                    last_to_start = num_started == len(prompts)
+                tokens = len(output.outputs[0].token_ids)
+                if not last_to_start:
+                    continue
+                if "start" not in marks:
+                    mark("start", tokens)
+                    continue
                 arrivals.append(time.perf_counter())
-        if last_to_start:
-            mark("end", tokens)
+                if tokens - marks["start"][1] >= steps:
+                    mark("end", tokens)
+                    return
+        raise RuntimeError("a request finished before the timed steps ended: too few max_tokens")
 
     async def run_all() -> None:
         await asyncio.gather(*(one(ids) for ids in prompts))
 
-    asyncio.run(run_all())
+    uvloop.run(run_all())  # the event loop `LLM` and the server use
     (t0, n0, phases0), (t1, n1, phases1) = marks["start"], marks["end"]
     measured = n1 - n0
     gaps = sorted(b - a for a, b in zip([t0, *arrivals], arrivals, strict=False))
@@ -110,7 +128,8 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
     timed_decode(llm, prompts, steps, on_mark=lambda name: prof.start() if name == "start" else prof.stop())
     host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     out.with_suffix(".host.txt").write_text(host)
-    print(f"\nhost time of {steps} engine steps (both threads), by op:\n{host}")
+    # CUDA API calls and kernels of every thread; CPU ops only of the event-loop thread, which started the profiler
+    print(f"\nhost time of {steps} engine steps, by op:\n{host}")
     trace = out.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
@@ -190,7 +209,10 @@ def main() -> None:
         llm = LLM(
             artifact,
             max_num_seqs=max(args.batch_sizes),
-            max_model_len=args.context + args.steps + 16,
+            max_model_len=args.context
+            + args.steps
+            + prefill_steps(max(args.batch_sizes), args.context, EngineConfig().max_num_batched_tokens)
+            + 16,
             enable_prefix_caching=False,
             cudagraph_capture_sizes=args.batch_sizes,
             kv_cache_dtype=args.kv_cache_dtype,

@@ -11,10 +11,10 @@ skinny decode GEMM (each with 128x128 block scales and per-channel scales; the s
 M <= gemm.SKINNY_MAX_M, where the dispatch picks it), against the roofline: bytes the GEMM must
 read and write (FP8 weight, its scales, x and out) over the copy bandwidth measured in the same
 run. `--timer graph` (the default) times CUDA-graph replays that call the GEMM once on each of
-several weight copies, MIN_REPLAY_BYTES in all, so the weight streams from HBM with no launch
+several weight copies, bench_gemm.MIN_REPLAY_BYTES in all, so the weight streams from HBM with no launch
 overhead between calls, as in a decode step; `--timer do_bench` times single calls (L2 flushed).
 `--sweep` adds the best tile-kernel config and, for the skinny kernel at `--sweep-ms`, every
-config of `skinny_sweep_configs` next to its default (`gemm.skinny_config`), printed as a second
+config of `bench_gemm.skinny_sweep_configs` next to its default (`gemm.skinny_config`), printed as a second
 table (best config per shape, M and layout) and written to the JSON rows as `skinny_{block,channel}_sweep`
 (every config's time). decode / offline: artifacts with random weights, exported
 bf16, FP8 online per-channel (`--quantization fp8`), FP8 block-128 (a config.json carrying an

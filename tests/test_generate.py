@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.async_engine import AsyncEngine
+from atom_runtime.async_engine import EngineProcessSettings
 
 PROMPTS = ["Hello", "The quick brown fox jumps over", "a", "Once upon a time, in a land far away, there"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -100,18 +101,22 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
 
 
 def test_engines_freeze_what_they_loaded_until_the_last_shuts_down(tiny_llama):
-    """A full garbage collection never scans a loaded model (it stalled large-batch steps by 0.1-0.4 s)."""
-    before = AsyncEngine._running  # engines of other tests (this module's `llm`) may be running
+    """A full garbage collection never scans a loaded model (it stalled large-batch steps by 0.1-0.4 s); the
+    process's collector and GIL switch interval are as before once no engine runs."""
+    before = EngineProcessSettings.running  # engines of other tests (this module's `llm`) may be running
+    switch_interval = sys.getswitchinterval()
     first = LLM(tiny_llama, device="cpu", block_size=4)
     second = LLM(tiny_llama, device="cpu", block_size=4)
     try:
         frozen = gc.get_freeze_count()
-        assert frozen > 10_000 and AsyncEngine._running == before + 2  # the models, tokenizers, their modules
+        assert frozen > 10_000  # the models, tokenizers and their modules
+        assert EngineProcessSettings.running == before + 2 and sys.getswitchinterval() <= 1e-4
         second.generate(PROMPTS, GREEDY)
         second.shutdown()
         assert gc.get_freeze_count() > frozen // 2  # `first` still runs: still frozen
     finally:
         first.shutdown()
         second.shutdown()  # a second shutdown changes nothing
-    assert AsyncEngine._running == before
+    assert EngineProcessSettings.running == before
     assert (gc.get_freeze_count() == 0) == (before == 0)
+    assert sys.getswitchinterval() == switch_interval

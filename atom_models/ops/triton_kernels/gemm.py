@@ -1,4 +1,4 @@
-"""FP8 scaled matmuls on CUDA: `scaled_mm` through cuBLASLt, `scaled_mm_blockwise` through a Triton GEMM.
+"""Matmuls on CUDA: FP8 `scaled_mm` (cuBLASLt) and `scaled_mm_blockwise` (Triton), and `linear`'s decode GEMM.
 
 `scaled_mm` (per-tensor or per-row scales on both sides) calls `torch._scaled_mm`: one scale
 on each side is cuBLASLt's tensor-wise mode, anything per row its row-wise mode (activation
@@ -411,6 +411,8 @@ def run_skinny_mm(
 
     Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w.
     """
+    if (x_scale is None) != (w_scale is None):
+        raise ValueError("the skinny GEMM takes scales for both operands (fp8) or for neither")
     x = as_rows(x_q)
     (m, k), n = x.shape, w_q.shape[0]
     if m > SKINNY_MAX_M:
