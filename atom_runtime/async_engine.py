@@ -163,18 +163,18 @@ class AsyncEngine:
                 if self.core.has_work():
                     output = self.core.step()
                     if output is not None:
-                        self._deliver(output)
+                        self._to_loop(self._on_updates, output)
         except BaseException as error:  # noqa: BLE001  (reported to every waiting request)
             logger.exception("engine core failed")
             self._error = error
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, error)
+            if self._loop is not None:
+                self._to_loop(self._fail_all, error)
 
-    def _deliver(self, output: StepOutput) -> None:
-        """Hand a step's tokens to the event loop; none if it has closed (its requests, aborted, wait for nothing)."""
+    def _to_loop(self, callback: Callable, *args) -> None:
+        """Run `callback` on the event loop; not at all if it has closed (its requests wait for nothing)."""
         loop = self._loop
         try:
-            loop.call_soon_threadsafe(self._on_updates, output)
+            loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:
             if not loop.is_closed():
                 raise
@@ -190,15 +190,16 @@ class AsyncEngine:
                 try:
                     self.core.add_request(*args)
                 except InvalidRequestError as error:
-                    self._loop.call_soon_threadsafe(self._fail_request, args[0], error)
+                    self._to_loop(self._fail_request, args[0], error)
             elif kind == "abort":
                 self.core.abort(*args)
             elif kind == "call":
                 fn, future = args
-                try:
-                    future.set_result(fn())
-                except Exception as error:  # noqa: BLE001  (handed back to the caller)
-                    future.set_exception(error)
+                if future.set_running_or_notify_cancel():  # else the caller stopped waiting: skip it
+                    try:
+                        future.set_result(fn())
+                    except Exception as error:  # noqa: BLE001  (handed back to the caller)
+                        future.set_exception(error)
             elif kind == "stop":
                 self._stopping = True
             try:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import sys
+import threading
+import time
 
 import pytest
+import uvloop
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.async_engine import EngineProcessSettings
@@ -120,3 +125,22 @@ def test_engines_freeze_what_they_loaded_until_the_last_shuts_down(tiny_llama):
     assert EngineProcessSettings.running == before
     assert (gc.get_freeze_count() == 0) == (before == 0)
     assert sys.getswitchinterval() == switch_interval
+
+
+def test_requests_dropped_with_their_event_loop_leave_the_engine_running(llm):
+    """A caller's loop closes while its aborted request still has a step in flight: that step's tokens go nowhere."""
+    gate = threading.Event()
+
+    async def first_token() -> None:
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        async with contextlib.aclosing(llm.engine.generate(None, params, prompt_token_ids=[5, 6, 7])) as outputs:
+            async for _ in outputs:
+                # Hold the core until this loop has closed, with the request's next step queued.
+                asyncio.ensure_future(llm.engine.call_in_core(gate.wait))
+                return  # closing the stream aborts the request
+
+    uvloop.run(first_token())
+    gate.set()
+    time.sleep(0.5)
+    assert llm.engine.is_healthy
+    assert len(llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids) == 24
