@@ -13,7 +13,8 @@ quantized online, one variant at a time, and every variant is compared with the 
 - block weights+acts: 128x128 weight blocks (DeepSeek-V3 / Qwen3-FP8 style), where the model's
   packed shards are whole blocks.
 
-Top-1 agreement: how often both pick the same next token; KL(unquantized || FP8) of the next-token
+Top-1 agreement: how often both pick the same next token, with its 95% (Wilson) interval over the
+positions; KL(unquantized || FP8) of the next-token
 distributions, mean and 99th percentile. Tokens come from `--text` (a file, or a directory of .txt
 files: held-out text, for which perplexity is reported too) or are random (random models have no
 text they predict). Prints a table and writes JSON.
@@ -82,15 +83,26 @@ def window_logits(model, ids: torch.Tensor, kv_dtype: torch.dtype, device: torch
     return model(ids.to(device), positions, caches, meta, positions).float()
 
 
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% interval of a proportion (Wilson score), e.g. top-1 agreement over n positions."""
+    p = successes / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return center - half, center + half
+
+
 def compare(reference: list[torch.Tensor], logits: list[torch.Tensor], targets: list[torch.Tensor]) -> dict:
     ref, got = torch.cat(reference), torch.cat(logits)
     ref_logp, got_logp = ref.log_softmax(-1), got.log_softmax(-1)
     kl = (ref_logp.exp() * (ref_logp - got_logp)).sum(-1)
     target = torch.cat(targets).to(ref.device)
     nll = -got_logp.gather(-1, target[:, None]).mean().item()
+    agree = int((ref.argmax(-1) == got.argmax(-1)).sum())
+    low, high = wilson_interval(agree, ref.shape[0])
     return {
         "positions": ref.shape[0],
-        "top1_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
+        "top1_agreement": agree / ref.shape[0],
+        "top1_interval": f"{low:.4f}-{high:.4f}",
         "kl_mean": kl.mean().item(),
         "kl_p99": kl.quantile(0.99).item(),
         "perplexity": math.exp(nll),
@@ -164,6 +176,7 @@ def main() -> None:
         [
             ("variant", "variant".rjust(20), ">20"),
             ("top1_agreement", "top-1 agree", ".4f"),
+            ("top1_interval", "95% interval", ">13"),
             ("kl_mean", "KL mean", ".5f"),
             ("kl_p99", "KL p99", ".5f"),
             ("perplexity", "perplexity", ".3f"),
