@@ -101,9 +101,11 @@ def test_scaled_matmul_references_against_float():
     x, w = torch.randn(5, 300), torch.randn(200, 300)
     expected = x @ w.t()
     x_q, x_scale = quant_fp8_per_token_reference(x)
-    for scheme, block in [("per_tensor", None), ("per_channel", None), ("block", (128, 128))]:
+    schemes = [("per_tensor", None, 0), ("per_channel", None, 0), ("block", (128, 128), 0), ("block", (128, 128), 128)]
+    for scheme, block, x_group in schemes:
         w_q, w_scale = quantize_weight(w, scheme, block)
         if block:
+            x_q, x_scale = quant_fp8_per_token_reference(x, x_group)
             out = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, None, torch.float32, *block)
         else:
             out = scaled_mm_reference(x_q, x_scale, w_q, w_scale, None, torch.float32)
@@ -111,13 +113,14 @@ def test_scaled_matmul_references_against_float():
         assert ((out - expected).norm() / expected.norm()).item() < 0.06
 
 
-def gemm_inputs(m: int, n: int, k: int, scheme: str, block, static: bool = False):
+def gemm_inputs(m: int, n: int, k: int, scheme: str, block, static: bool = False, x_group: int = 0):
+    """x quantized per tensor (static), per token, or per token and `x_group` columns; w per `scheme`."""
     x, w = randn(m, k, dtype=torch.float32, scale=3.0), torch.randn(n, k, device=DEVICE)
     if static:
         x_scale = torch.tensor([x.abs().max().item() / FP8_MAX], device=DEVICE)
         x_q = quantize_fp8_static(x, x_scale)
     else:
-        x_q, x_scale = quant_fp8_per_token_reference(x)
+        x_q, x_scale = quant_fp8_per_token_reference(x, x_group)
     w_q, w_scale = quantize_weight(w, scheme, block)
     return x_q, x_scale, w_q, w_scale, randn(n)
 
@@ -135,6 +138,21 @@ def test_triton_blockwise_gemm(m, n, k):
     out = gemm.scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)
     ref = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_blockwise_gemm_with_grouped_activation_scales(m, n, k):
+    """x scaled per token and 128 columns (DeepSeek-V3's 1x128), through the skinny and the tile kernel."""
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, "block", (128, 128), x_group=128)
+    assert x_scale.shape == (m, -(-k // 128))
+    out = gemm.scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)
+    assert_close(out, scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128))
+
+
+def test_grouped_activation_scales_must_match_the_weight_blocks():
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(3, 64, 256, "block", (128, 128), x_group=64)
+    with pytest.raises(ValueError, match="4 groups fit neither one a token nor the weight's 2 blocks"):
+        gemm.scaled_mm_blockwise(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128)
 
 
 @pytest.mark.parametrize("scheme,static", [("per_channel", False), ("per_tensor", True), ("per_channel", True)])

@@ -222,6 +222,9 @@ def test_quant_fusions_fire(which, attention_pass, request):
     assert after["atom.silu_and_mul_quant_fp8.default"] == layers
     block = "atom.scaled_mm_blockwise.default" if which == "block_llama" else "atom.scaled_mm.default"
     assert after[block] == 4 * layers
+    if which == "block_llama":  # activations get a scale per token and 128 columns (the weight blocks), fused too
+        quants = [n for n in traced.graph_module.graph.nodes if "quant_fp8" in str(n.target)]
+        assert len(quants) == 4 * layers and all(n.args[-1] == 128 for n in quants)
     if which == "channel_qwen3":  # the calibrated KV scales follow into the fused cache write
         fused = [n for n in traced.graph_module.graph.nodes if "qk_norm_rope_and_cache" in str(n.target)]
         assert all(len(n.args) == 12 for n in fused)

@@ -22,7 +22,9 @@ from atom_models.ops.linear import linear_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.quant import (
     FP8_DTYPE,
+    expand_group_scale,
     fused_add_rms_norm_quant_fp8_reference,
+    num_scale_groups,
     quant_fp8_per_token_reference,
     rms_norm_quant_fp8_reference,
     silu_and_mul_quant_fp8_reference,
@@ -54,12 +56,17 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None
     assert rel_err(out.float(), ref.float()) < tol, rel_err(out.float(), ref.float())
 
 
-def assert_fp8_close(out: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+def assert_fp8_close(
+    out: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor], group_size: int = 0
+) -> None:
     """fp8 values may differ by one step where rounding ties fall differently: compare dequantized."""
     (q, scale), (q_ref, scale_ref) = out, ref
     assert q.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == scale_ref.shape
+    assert scale.shape[-1] == num_scale_groups(q.shape[-1], group_size)
     assert_close(scale, scale_ref)
-    assert_close(q.float() * scale, q_ref.float() * scale_ref, tol=max(TOL, 1e-2))
+    cols = q.shape[-1]
+    dequantized = q.float() * expand_group_scale(scale, group_size, cols)
+    assert_close(dequantized, q_ref.float() * expand_group_scale(scale_ref, group_size, cols), tol=max(TOL, 1e-2))
 
 
 def poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -108,7 +115,9 @@ def test_rms_norm(shape):
     x, w = randn(*shape, scale=3.0), randn(shape[-1])
     poison_allocator(x.shape, x.dtype)
     assert_close(norm.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
-    assert_fp8_close(norm.rms_norm_quant_fp8(x, w, 1e-6), rms_norm_quant_fp8_reference(x, w, 1e-6))
+    for group in (0, 16):  # a scale per row, and per 16 columns
+        quantized = norm.rms_norm_quant_fp8(x, w, 1e-6, group)
+        assert_fp8_close(quantized, rms_norm_quant_fp8_reference(x, w, 1e-6, group), group)
 
 
 @pytest.mark.parametrize("shape", NORM_SHAPES)
@@ -118,10 +127,11 @@ def test_fused_add_rms_norm(shape):
     out_ref, summed_ref = fused_add_rms_norm_reference(x, res, w, 1e-5)
     assert_close(out, out_ref)
     assert_close(summed, summed_ref, tol=1e-6 if torch.float32 == DTYPE else TOL)
-    *quantized, summed = norm.fused_add_rms_norm_quant_fp8(x, res, w, 1e-5)
-    *quantized_ref, summed_ref = fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-5)
-    assert_fp8_close(tuple(quantized), tuple(quantized_ref))
-    assert_close(summed, summed_ref)
+    for group in (0, 16):
+        *quantized, summed = norm.fused_add_rms_norm_quant_fp8(x, res, w, 1e-5, group)
+        *quantized_ref, summed_ref = fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-5, group)
+        assert_fp8_close(tuple(quantized), tuple(quantized_ref), group)
+        assert_close(summed, summed_ref)
 
 
 def test_rms_norm_strided_rows():
@@ -135,17 +145,20 @@ def test_silu_and_mul(shape):
     x = randn(*shape, scale=2.0)
     poison_allocator((*shape[:-1], shape[-1] // 2), x.dtype)
     assert_close(activation.silu_and_mul(x), silu_and_mul_reference(x))
-    assert_fp8_close(activation.silu_and_mul_quant_fp8(x), silu_and_mul_quant_fp8_reference(x))
+    for group in (0, 16):
+        assert_fp8_close(activation.silu_and_mul_quant_fp8(x, group), silu_and_mul_quant_fp8_reference(x, group), group)
 
 
-@pytest.mark.parametrize("shape", [(7, 40), (5, 3, 24)] + ([(37, 4096)] if CUDA else []))
-def test_quant_fp8_per_token(shape):
+@pytest.mark.parametrize("group", [0, 16, 128])
+@pytest.mark.parametrize("shape", [(7, 40), (5, 3, 24)] + ([(37, 4096), (3, 1000)] if CUDA else []))
+def test_quant_fp8_per_token(shape, group):
+    """A scale per token, or per token and `group` columns (the last group partial, or wider than the row)."""
     x = randn(*shape, scale=5.0)
     x[0] = 0  # an all-zero row takes the scale floor
-    q, scale = quant.quant_fp8_per_token(x)
-    q_ref, scale_ref = quant_fp8_per_token_reference(x)
+    q, scale = quant.quant_fp8_per_token(x, group)
+    q_ref, scale_ref = quant_fp8_per_token_reference(x, group)
     assert torch.equal(scale[0], scale_ref[0]) and torch.equal(q[0].float(), q_ref[0].float())
-    assert_fp8_close((q, scale), (q_ref, scale_ref))
+    assert_fp8_close((q, scale), (q_ref, scale_ref), group)
 
 
 LINEAR_CONFIGS = [  # (m, config): the one-token GEMV, uneven K splits, narrow and wide MMA tiles

@@ -1,9 +1,10 @@
 """SiLU·mul followed by per-token FP8 quantization → one fused op.
 
-Before:  h = silu_and_mul(x);  h_q, s = quant_fp8_per_token(h)
-After:   h_q, s = silu_and_mul_quant_fp8(x)
+Before:  h = silu_and_mul(x);  h_q, s = quant_fp8_per_token(h, g)
+After:   h_q, s = silu_and_mul_quant_fp8(x, g)
 
-It fires only where every user of the activation is a quantization (an FP8 down projection).
+It fires only where every user of the activation is a quantization with the same scale groups
+(an FP8 down projection).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from atom_compile.passes.registry import PatternPass, erase, getitem_users, is_call, op, register_pass, replace_outputs
-from atom_compile.passes.rms_norm_quant import quantized_users
+from atom_compile.passes.rms_norm_quant import group_size, quantized_users
 
 
 @dataclass
@@ -22,7 +23,7 @@ class Match:
     quants: list[Node]
 
 
-@register_pass("silu_mul_quant", version=1)
+@register_pass("silu_mul_quant", version=2)
 class SiluMulQuant(PatternPass):
     """SiLU·mul followed by FP8 per-token quantization -> one fused op."""
 
@@ -34,7 +35,7 @@ class SiluMulQuant(PatternPass):
 
     def replace(self, graph: Graph, m: Match) -> None:
         with graph.inserting_after(m.activation):
-            fused = graph.call_function(op("silu_and_mul_quant_fp8"), m.activation.args)
+            fused = graph.call_function(op("silu_and_mul_quant_fp8"), (*m.activation.args, group_size(m.quants[0])))
         for quant in m.quants:
             outputs = getitem_users(quant)
             replace_outputs(outputs, fused, graph, {0: 0, 1: 1})

@@ -194,6 +194,8 @@ class Linear(nn.Module):
             return torch.ops.atom.linear(x, weight, self.bias)
         if spec.activations == "static_per_tensor":
             x_q, x_scale = quantize_fp8_static(x, self.input_scale), self.input_scale
+        elif spec.weights == "block":  # a scale per token and weight block of columns, as DeepSeek-V3 and vLLM
+            x_q, x_scale = torch.ops.atom.quant_fp8_per_token(x, spec.block_size[1])
         else:
             x_q, x_scale = torch.ops.atom.quant_fp8_per_token(x)
         if spec.weights == "block":

@@ -1,7 +1,8 @@
 """FP8 (e4m3) quantization: weights, activations, scaled matmuls, and the norm/activation ops fused with them.
 
-Activations are quantized dynamically per token (each row gets the scale amax / 448), or
-statically with one calibrated scale. Weights carry one scale per tensor, per output
+Activations are quantized dynamically per token (each row gets the scale amax / 448), per token
+and group of `group_size` columns (DeepSeek-V3's 1x128, paired with 128x128 weight blocks: each
+group gets its own scale), or statically with one calibrated scale. Weights carry one scale per tensor, per output
 channel, or per block (DeepSeek-V3's 128x128). In every scheme a value is `q * scale`.
 The fused ops' references are the unfused compositions, so a fusion pass changes the
 kernels that run, never the function computed.
@@ -22,19 +23,25 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
-def _fp8_like(x: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+def num_scale_groups(n_cols: int, group_size: int) -> int:
+    """Scales a row of `n_cols` gets: one (group_size 0: the whole row), or one a group of columns."""
+    return -(-n_cols // group_size) if group_size else 1
+
+
+def _fp8_like(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    groups = num_scale_groups(x.shape[-1], group_size)
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((*x.shape[:-1], groups), dtype=torch.float32)
 
 
 @torch.library.custom_op("atom::quant_fp8_per_token", mutates_args=())
-def quant_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Returns (x_fp8, scale[..., 1]) with x ≈ x_fp8 * scale."""
-    return implementation("quant_fp8_per_token", x.device)(x)
+def quant_fp8_per_token(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    """Returns (x_fp8, scale[..., groups]) with x ≈ x_fp8 * scale, a scale per row or per `group_size` columns."""
+    return implementation("quant_fp8_per_token", x.device)(x, group_size)
 
 
 @quant_fp8_per_token.register_fake
-def _(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _fp8_like(x)
+def _(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    return _fp8_like(x, group_size)
 
 
 @torch.library.custom_op("atom::scaled_mm", mutates_args=())
@@ -63,8 +70,7 @@ def scaled_mm_blockwise(
 ) -> Tensor:
     """(x_q * x_scale) @ dequant(w_q)^T + bias with w_scale [cdiv(out, block_n), cdiv(in, block_k)].
 
-    x_scale is per token ([..., 1]): the fused norm/activation quantizers produce it, and
-    e4m3's exponent keeps small values of a row precise next to its largest one.
+    x_scale is per token ([..., 1]) or per token and block_k columns ([..., cdiv(in, block_k)]).
     """
     return implementation("scaled_mm_blockwise", x_q.device)(
         x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k
@@ -77,43 +83,57 @@ def _(x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k):
 
 
 @torch.library.custom_op("atom::rms_norm_quant_fp8", mutates_args=())
-def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return implementation("rms_norm_quant_fp8", x.device)(x, weight, eps)
+def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    return implementation("rms_norm_quant_fp8", x.device)(x, weight, eps, group_size)
 
 
 @rms_norm_quant_fp8.register_fake
-def _(x, weight, eps):
-    return _fp8_like(x)
+def _(x, weight, eps, group_size=0):
+    return _fp8_like(x, group_size)
 
 
 @torch.library.custom_op("atom::fused_add_rms_norm_quant_fp8", mutates_args=())
 def fused_add_rms_norm_quant_fp8(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_size: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (normed_fp8, scale, x + residual)."""
-    return implementation("fused_add_rms_norm_quant_fp8", x.device)(x, residual, weight, eps)
+    return implementation("fused_add_rms_norm_quant_fp8", x.device)(x, residual, weight, eps, group_size)
 
 
 @fused_add_rms_norm_quant_fp8.register_fake
-def _(x, residual, weight, eps):
-    return (*_fp8_like(x), torch.empty_like(x))
+def _(x, residual, weight, eps, group_size=0):
+    return (*_fp8_like(x, group_size), torch.empty_like(x))
 
 
 @torch.library.custom_op("atom::silu_and_mul_quant_fp8", mutates_args=())
-def silu_and_mul_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    return implementation("silu_and_mul_quant_fp8", x.device)(x)
+def silu_and_mul_quant_fp8(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    return implementation("silu_and_mul_quant_fp8", x.device)(x, group_size)
 
 
 @silu_and_mul_quant_fp8.register_fake
-def _(x):
-    return _fp8_like(x.new_empty(*x.shape[:-1], x.shape[-1] // 2))
+def _(x, group_size=0):
+    return _fp8_like(x.new_empty(*x.shape[:-1], x.shape[-1] // 2), group_size)
 
 
 @register_impl("quant_fp8_per_token", "torch")
-def quant_fp8_per_token_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+def quant_fp8_per_token_reference(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    cols = x.shape[-1]
+    groups = num_scale_groups(cols, group_size)
+    if groups == 1:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+    else:  # zero-pad the last group; padding never raises an amax
+        padded = torch.nn.functional.pad(xf.abs(), (0, groups * group_size - cols))
+        amax = padded.unflatten(-1, (groups, group_size)).amax(dim=-1)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / expand_group_scale(scale, group_size, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def expand_group_scale(scale: Tensor, group_size: int, cols: int) -> Tensor:
+    """Activation scales [..., groups] as one a column ([..., cols]); a single scale a row broadcasts as it is."""
+    if scale.shape[-1] == 1:
+        return scale
+    return scale.repeat_interleave(group_size, dim=-1)[..., :cols]
 
 
 @register_impl("scaled_mm", "torch")
@@ -124,7 +144,8 @@ def scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
 @register_impl("scaled_mm_blockwise", "torch")
 def scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k) -> Tensor:
     w = dequantize_weight(w_q, w_scale, (block_n, block_k))
-    return _dequantized_matmul(x_q.float() * x_scale, w, bias, out_dtype)
+    x = x_q.float() * expand_group_scale(x_scale, block_k, x_q.shape[-1])
+    return _dequantized_matmul(x, w, bias, out_dtype)
 
 
 def _dequantized_matmul(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
@@ -135,19 +156,19 @@ def _dequantized_matmul(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: to
 
 
 @register_impl("rms_norm_quant_fp8", "torch")
-def rms_norm_quant_fp8_reference(x, weight, eps):
-    return quant_fp8_per_token_reference(rms_norm_reference(x, weight, eps))
+def rms_norm_quant_fp8_reference(x, weight, eps, group_size=0):
+    return quant_fp8_per_token_reference(rms_norm_reference(x, weight, eps), group_size)
 
 
 @register_impl("fused_add_rms_norm_quant_fp8", "torch")
-def fused_add_rms_norm_quant_fp8_reference(x, residual, weight, eps):
+def fused_add_rms_norm_quant_fp8_reference(x, residual, weight, eps, group_size=0):
     normed, summed = fused_add_rms_norm_reference(x, residual, weight, eps)
-    return (*quant_fp8_per_token_reference(normed), summed)
+    return (*quant_fp8_per_token_reference(normed, group_size), summed)
 
 
 @register_impl("silu_and_mul_quant_fp8", "torch")
-def silu_and_mul_quant_fp8_reference(x):
-    return quant_fp8_per_token_reference(silu_and_mul_reference(x))
+def silu_and_mul_quant_fp8_reference(x, group_size=0):
+    return quant_fp8_per_token_reference(silu_and_mul_reference(x), group_size)
 
 
 def quantize_fp8_static(x: Tensor, scale: Tensor) -> Tensor:

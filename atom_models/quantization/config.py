@@ -9,7 +9,8 @@ Formats read from config.json's `quantization_config`:
 
 - `quant_method: "fp8"` (transformers' FP8 / DeepSeek-V3 / Qwen3-FP8): e4m3 weights, with
   `weight_block_size: [bn, bk]` one `weight_scale_inv` per block, without it one `weight_scale`
-  per tensor; `activation_scheme` dynamic (per token) or static (per tensor, `input_scale`);
+  per tensor; `activation_scheme` dynamic (per token; with blocks per token and `bk` columns)
+  or static (per tensor, `input_scale`);
   exclusions in `modules_to_not_convert` / `ignored_layers`.
 - `quant_method: "compressed-tensors"` (llm-compressor): `config_groups` whose `targets` are
   "Linear" (the default) or module patterns (overrides); FP8 weights per tensor, per channel
@@ -19,10 +20,10 @@ Formats read from config.json's `quantization_config`:
 Layer names are the checkpoint's (`model.layers.0.self_attn.q_proj`). A pattern is an exact
 name, a dotted suffix (`lm_head`, `mlp.down_proj`), an fnmatch glob (`*.mlp.*`), or a regex
 after `re:`. Exclusions win over overrides, overrides over the default; `lm_head` is always
-excluded (the LM head stays in the model dtype). Dynamic activation scales are always per token,
-whatever granularity the checkpoint names (token, tensor or 128-group): the fused norm and
-activation quantizers produce per-token scales, and e4m3's exponent keeps the small values of
-a row precise next to its largest one, so finer groups buy little.
+excluded (the LM head stays in the model dtype). Dynamic activation scales follow the weights:
+with block weights (bn, bk) one a token and bk columns, as DeepSeek-V3 and vLLM quantize them (each
+K tile of the GEMM then has one activation and one weight scale); otherwise one a token, whatever
+granularity a compressed-tensors checkpoint names for its activations.
 """
 
 from __future__ import annotations

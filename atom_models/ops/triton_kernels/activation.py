@@ -12,7 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import as_rows, row_launch, store_fp8_row
+from atom_models.ops.triton_kernels.common import as_rows, row_launch, scale_group, store_fp8_row
 from atom_models.ops.triton_kernels.quant import fp8_outputs
 
 # Columns per program of the plain kernel: enough bytes in flight, small enough to spread short rows.
@@ -38,12 +38,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl
 
 
 @triton.jit
-def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, stride_scale, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     y = _silu_mul(x_ptr + row * stride_x, cols, mask, n_cols).to(tl.float32)
-    store_fp8_row(y, mask, q_ptr + row * stride_q + cols, scale_ptr + row)
+    store_fp8_row(y, mask, n_cols, q_ptr + row * stride_q + cols, scale_ptr + row * stride_scale, BLOCK, GROUP)
 
 
 @register_impl("silu_and_mul", "triton")
@@ -60,13 +62,22 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 @register_impl("silu_and_mul_quant_fp8", "triton")
-def silu_and_mul_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+def silu_and_mul_quant_fp8(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]:
     rows = as_rows(x)
     n_cols = x.shape[-1] // 2
-    x_q, scale = fp8_outputs(x, n_cols)
+    x_q, scale = fp8_outputs(x, n_cols, group_size)
     block, warps = row_launch(n_cols)
     if rows.shape[0]:
         _silu_and_mul_quant_kernel[(rows.shape[0],)](
-            rows, x_q, scale, rows.stride(0), n_cols, n_cols, BLOCK=block, num_warps=warps
+            rows,
+            x_q,
+            scale,
+            rows.stride(0),
+            n_cols,
+            scale.shape[-1],
+            n_cols,
+            BLOCK=block,
+            GROUP=scale_group(block, group_size),
+            num_warps=warps,
         )
     return x_q, scale

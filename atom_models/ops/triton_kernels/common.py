@@ -58,11 +58,22 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def scale_group(block: int, group_size: int) -> int:
+    """`store_fp8_row`'s GROUP for a BLOCK-wide row: the columns one scale covers (BLOCK: the whole row)."""
+    if not group_size or group_size >= block:
+        return block
+    if group_size & (group_size - 1):
+        raise ValueError(f"the triton quantizers take power-of-two scale groups, got {group_size}")
+    return group_size
+
+
 @triton.jit
-def store_fp8_row(y, mask, q_ptr, scale_ptr):
-    """Quantize the fp32 row `y` to e4m3 with one dynamic scale, as the reference does."""
-    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-    scale = tl.maximum(amax / FP8_MAX_C, MIN_SCALE_C)
-    q = tl.clamp(y / scale, -FP8_MAX_C, FP8_MAX_C)
-    tl.store(q_ptr, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr, scale)
+def store_fp8_row(y, mask, n_cols, q_ptr, scale_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Quantize the fp32 row `y` ([BLOCK]) to e4m3 with one dynamic scale per GROUP columns, as the reference
+    does; scales go to scale_ptr[0, 1, ...], for the groups that hold any of the row's n_cols columns."""
+    groups = tl.reshape(tl.where(mask, tl.abs(y), 0.0), [BLOCK // GROUP, GROUP])
+    scale = tl.maximum(tl.max(groups, axis=1) / FP8_MAX_C, MIN_SCALE_C)
+    q = tl.reshape(tl.reshape(y, [BLOCK // GROUP, GROUP]) / scale[:, None], [BLOCK])
+    tl.store(q_ptr, tl.clamp(q, -FP8_MAX_C, FP8_MAX_C).to(q_ptr.dtype.element_ty), mask=mask)
+    group = tl.arange(0, BLOCK // GROUP)
+    tl.store(scale_ptr + group, scale, mask=group * GROUP < n_cols)

@@ -87,6 +87,7 @@ def _scaled_mm_kernel(
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
     SCALE_ALONG_K: tl.constexpr,
+    X_GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -94,7 +95,10 @@ def _scaled_mm_kernel(
     GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """out[m, n] = xs[m] * sum_k x[m, k] w[n, k] ws[n // SCALE_N, k // SCALE_K] (+ bias[n])."""
+    """out[m, n] = sum_k xs[m(, k // SCALE_K)] x[m, k] w[n, k] ws[n // SCALE_N, k // SCALE_K] (+ bias[n]).
+
+    X_GROUPED: x has a scale per SCALE_K columns too (block weights only), applied with the weight's.
+    """
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -120,15 +124,18 @@ def _scaled_mm_kernel(
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if SCALE_ALONG_K:
-            ws = tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)
-            acc += tl.dot(x, w) * ws[None, :]
+            part = tl.dot(x, w) * tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            if X_GROUPED:
+                part *= tl.load(xs_ptr + offs_m * stride_xsm + k0 // SCALE_K, mask=m_ok, other=0.0)[:, None]
+            acc += part
         else:
             acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not SCALE_ALONG_K:
         acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
-    acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
+    if not X_GROUPED:
+        acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -147,12 +154,23 @@ def _weights(w_q: Tensor, w_scale: Tensor | None, k: int, scale_k: int, block_k:
 
 
 def _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block: tuple[int, int], config) -> tuple[tuple, dict]:
-    """The strides and scale/bias constants both GEMM kernels take (a stride of 0 broadcasts one scale)."""
+    """The strides and scale/bias constants both GEMM kernels take (a stride of 0 broadcasts one scale).
+
+    x_scale: [1] (per tensor), [..., 1] (per token) or, with block scales, [..., cdiv(K, scale_k)] (per token
+    and group of scale_k columns).
+    """
     scale_n, scale_k = scale_block
     along_k = scale_k < x.shape[1]
+    xs = x_scale.reshape(-1, x_scale.shape[-1])
+    grouped = xs.shape[1] > 1
+    if grouped and (not along_k or xs.shape[1] != triton.cdiv(x.shape[1], scale_k)):
+        raise ValueError(
+            f"activation scales of {xs.shape[1]} groups fit neither one a token nor the weight's "
+            f"{triton.cdiv(x.shape[1], scale_k)} blocks of {scale_k} columns"
+        )
     strides = (
         x.stride(0),
-        1 if x_scale.numel() > 1 else 0,
+        xs.stride(0) if xs.shape[0] > 1 else 0,
         w_q.stride(0),
         ws.stride(0) if ws.shape[0] > 1 else 0,
         ws.stride(1) if ws.shape[1] > 1 else 0,
@@ -162,6 +180,7 @@ def _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block: tuple[int, int
         SCALE_N=scale_n,
         SCALE_K=scale_k if along_k else config.block_k,
         SCALE_ALONG_K=along_k,
+        X_GROUPED=grouped,
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -275,13 +294,15 @@ def _store_skinny(
     stride_om,
     SCALED,
     SCALE_ALONG_K,
+    X_GROUPED,
     HAS_BIAS,
 ):
     """out[m, n] = acc[n, m] times the scales not applied yet, plus bias."""
     if SCALED:
         if not SCALE_ALONG_K:
             acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
-        acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
+        if not X_GROUPED:
+            acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -313,6 +334,7 @@ def _skinny_mm_kernel(
     SCALE_K: tl.constexpr,
     SCALED: tl.constexpr,
     SCALE_ALONG_K: tl.constexpr,
+    X_GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -358,6 +380,8 @@ def _skinny_mm_kernel(
             part = tl.dot(w, tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0))
             if SCALE_ALONG_K:  # the K tile lies in one scale block
                 part *= tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)[:, None]
+                if X_GROUPED:  # and in one group of x's scales
+                    part *= tl.load(xs_ptr + offs_m * stride_xsm + k0 // SCALE_K, mask=m_ok, other=0.0)[None, :]
         else:  # one token, per-row weight scales
             x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[:, None]
@@ -393,6 +417,7 @@ def _skinny_mm_kernel(
             stride_om,
             SCALED,
             SCALE_ALONG_K,
+            X_GROUPED,
             HAS_BIAS,
         )
 
@@ -424,8 +449,8 @@ def run_skinny_mm(
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     scaled = ws is not None
-    if not scaled:  # unused scale pointers
-        x_scale = ws = out
+    if not scaled:  # unused scale pointers (one element, so no scale looks grouped)
+        x_scale = ws = out[:1, :1]
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)

@@ -13,7 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import as_rows, row_launch, store_fp8_row, tl_dtype
+from atom_models.ops.triton_kernels.common import as_rows, row_launch, scale_group, store_fp8_row, tl_dtype
 from atom_models.ops.triton_kernels.quant import fp8_outputs
 
 
@@ -36,6 +36,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -50,13 +51,14 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = ((x * rstd).to(NORM_DTYPE).to(tl.float32) * w).to(OUT_DTYPE)
     if QUANT:
-        store_fp8_row(y.to(tl.float32), mask, out_ptr + row * stride_out + cols, scale_ptr + row)
+        scales = scale_ptr + row * tl.cdiv(n_cols, GROUP)
+        store_fp8_row(y.to(tl.float32), mask, n_cols, out_ptr + row * stride_out + cols, scales, BLOCK, GROUP)
     else:
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
 def _rms_norm(
-    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, quant: bool
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, quant: bool, group_size: int = 0
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Returns (normed or normed_fp8, scale if quant, x + residual if residual)."""
     norm_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -65,7 +67,7 @@ def _rms_norm(
     res_rows = as_rows(residual) if residual is not None else rows
     summed = torch.empty(x.shape, dtype=norm_dtype, device=x.device) if residual is not None else None
     if quant:
-        out, scale = fp8_outputs(x, x.shape[-1])
+        out, scale = fp8_outputs(x, x.shape[-1], group_size)
     else:
         out, scale = torch.empty(x.shape, dtype=out_dtype, device=x.device), None
     block, warps = row_launch(rows.shape[1])
@@ -88,6 +90,7 @@ def _rms_norm(
             HAS_RESIDUAL=residual is not None,
             QUANT=quant,
             BLOCK=block,
+            GROUP=scale_group(block, group_size),
             num_warps=warps,
         )
     return out, scale, summed
@@ -105,14 +108,14 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
 
 
 @register_impl("rms_norm_quant_fp8", "triton")
-def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    out, scale, _ = _rms_norm(x, None, weight, eps, quant=True)
+def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, group_size: int = 0) -> tuple[Tensor, Tensor]:
+    out, scale, _ = _rms_norm(x, None, weight, eps, quant=True, group_size=group_size)
     return out, scale
 
 
 @register_impl("fused_add_rms_norm_quant_fp8", "triton")
 def fused_add_rms_norm_quant_fp8(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_size: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
-    out, scale, summed = _rms_norm(x, residual, weight, eps, quant=True)
+    out, scale, summed = _rms_norm(x, residual, weight, eps, quant=True, group_size=group_size)
     return out, scale, summed
