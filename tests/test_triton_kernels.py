@@ -8,6 +8,11 @@ would send CPU tensors to the reference.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -409,3 +414,11 @@ def test_paged_attention_gpu_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 0.1), ATTN_TOL)
+
+
+def test_kernels_lower_to_sm90_machine_code():
+    """The GEMM and quantizer kernels compile for an H100 (see tests/sm90_lowering.py), GPU or not."""
+    script = Path(__file__).with_name("sm90_lowering.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]

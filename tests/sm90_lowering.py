@@ -1,0 +1,57 @@
+"""Compile the GEMM and FP8 quantizer kernels for sm_90 (H100) without a GPU: PTX and ptxas, every variant.
+
+Run by tests/test_triton_kernels.py in a process of its own (Triton's interpreter, which the other tests use,
+must be off when kernels are defined). The interpreter executes kernels as numpy; this catches what only
+lowering does (layouts, reshapes, dtypes, register limits).
+"""
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from atom_models.ops.triton_kernels import activation, gemm, norm, quant
+
+H100 = GPUTarget("cuda", 90, 64)
+BF16, FP8 = "*bf16", "*fp8e4nv"
+
+
+def argument_type(param, pointers: dict[str, str]) -> str:
+    """Pointers as given (else fp32), constexprs as declared, `eps` fp32, every other argument i32."""
+    if param.is_constexpr:
+        return "constexpr"
+    if param.name.endswith("_ptr"):
+        return pointers.get(param.name, "*fp32")
+    return "fp32" if param.name == "eps" else "i32"
+
+
+def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None:
+    signature = {param.name: argument_type(param, pointers) for param in kernel.params}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    assert "cubin" in triton.compile(source, target=H100, options=options).asm
+
+
+for block, group in [(1024, 1024), (1024, 128), (4096, 128), (64, 64)]:
+    rows = {"BLOCK": block, "GROUP": group}
+    build(quant._quant_fp8_kernel, {"x_ptr": BF16, "q_ptr": FP8}, rows, num_warps=4)
+    build(activation._silu_and_mul_quant_kernel, {"x_ptr": BF16, "q_ptr": FP8}, rows, num_warps=4)
+    pointers = {"x_ptr": BF16, "res_ptr": BF16, "w_ptr": BF16, "out_ptr": FP8, "sum_ptr": BF16}
+    dtypes = {"NORM_DTYPE": tl.bfloat16, "OUT_DTYPE": tl.bfloat16}
+    build(norm._rms_norm_kernel, pointers, {**dtypes, "HAS_RESIDUAL": True, "QUANT": True, **rows}, num_warps=4)
+
+fp8_gemm = {"x_ptr": FP8, "w_ptr": FP8, "out_ptr": BF16, "ticket_ptr": "*i32"}
+blocks = {"SCALE_N": 128, "SCALE_K": 128, "SCALE_ALONG_K": True, "HAS_BIAS": False}
+for grouped in (False, True):
+    tiles = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "NUM_STAGES": 3}
+    build(gemm._scaled_mm_kernel, fp8_gemm, {**blocks, "X_GROUPED": grouped, **tiles}, num_warps=8)
+    for split in (False, True):
+        tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "USE_DOT": True, "NUM_STAGES": 4}
+        scales = {**blocks, "SCALED": True, "X_GROUPED": grouped}
+        build(gemm._skinny_mm_kernel, fp8_gemm, {**scales, **tiles}, num_warps=4)
+
+bf16_gemm = {"x_ptr": BF16, "w_ptr": BF16, "out_ptr": BF16, "ticket_ptr": "*i32"}
+unscaled = {"SCALE_N": 1, "SCALE_K": 128, "SCALED": False, "SCALE_ALONG_K": False, "X_GROUPED": False}
+for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (False, 1, 8, 256)]:
+    tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": True, "USE_DOT": dot}
+    build(gemm._skinny_mm_kernel, bf16_gemm, {**unscaled, "HAS_BIAS": True, **tiles, "NUM_STAGES": 4}, num_warps=4)
+print("all kernels lowered for sm_90")
