@@ -77,14 +77,16 @@ def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, band
     w_tensor, s_tensor = quantize_weight(w, "per_tensor")
     w_block, s_block = quantize_weight(w, "block", (128, 128))
     out, timer = torch.bfloat16, args.timer
-    # layout -> (weight, its scales, scale block): the two the tile and skinny kernels are timed on
-    layouts = {"block": (w_block, s_block, (128, 128)), "channel": (w_channel, s_channel, (1, k))}
+    # layout -> (weight, its scales, scale block, activation scale groups): the two the tile and skinny kernels
+    # are timed on, with activations quantized as the runtime does for each (block: a scale a token and 128 columns)
+    layouts = {"block": (w_block, s_block, (128, 128), 128), "channel": (w_channel, s_channel, (1, k), 0)}
+    activations = {0: (x_q, x_scale), 128: quant_fp8_per_token_reference(x, 128)}
 
-    def tile(w_, scale, scale_block, config=None):
-        return gemm.run_scaled_mm(x_q, x_scale, w_, scale, None, out, scale_block, config)
+    def tile(w_, scale, scale_block, group, config=None):
+        return gemm.run_scaled_mm(*activations[group], w_, scale, None, out, scale_block, config)
 
-    def skinny(w_, scale, scale_block, config=None):
-        return gemm.run_skinny_mm(x_q, x_scale, w_, scale, None, out, scale_block, config)
+    def skinny(w_, scale, scale_block, group, config=None):
+        return gemm.run_skinny_mm(*activations[group], w_, scale, None, out, scale_block, config)
 
     row = {
         "shape": name,
@@ -101,10 +103,12 @@ def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, band
             timer, w_tensor, partial(gemm.cublas_scaled_mm, x_q, x_tensor_scale, w_scale=s_tensor, out_dtype=out)
         ),
     }
-    for layout, (weight, scale, scale_block) in layouts.items():
-        row[f"triton_{layout}_us"] = timed(timer, weight, partial(tile, scale=scale, scale_block=scale_block))
+    for layout, (weight, scale, scale_block, group) in layouts.items():
+        row[f"triton_{layout}_us"] = timed(
+            timer, weight, partial(tile, scale=scale, scale_block=scale_block, group=group)
+        )
         if m <= gemm.SKINNY_MAX_M:
-            run = partial(skinny, scale=scale, scale_block=scale_block)
+            run = partial(skinny, scale=scale, scale_block=scale_block, group=group)
             row[f"skinny_{layout}_us"] = timed(timer, weight, run)
             row[f"skinny_{layout}_config"] = config_name(gemm.skinny_config(m, n, k, scale_block[1], weight.device))
             if args.sweep and m in args.sweep_ms:
@@ -113,7 +117,7 @@ def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, band
     row["block_of_roofline"] = row["roofline_us"] / row.get("skinny_block_us", row["triton_block_us"])
     row["channel_of_roofline"] = row["roofline_us"] / row.get("skinny_channel_us", row["cublas_rowwise_us"])
     if args.sweep:
-        tile_block = partial(tile, scale=s_block, scale_block=(128, 128))
+        tile_block = partial(tile, scale=s_block, scale_block=(128, 128), group=128)
         best_us, best = min(
             ((timed(timer, w_block, partial(tile_block, config=c)), c) for c in sweep_configs(m)), key=lambda t: t[0]
         )

@@ -149,6 +149,17 @@ def test_blockwise_gemm_with_grouped_activation_scales(m, n, k):
     assert_close(out, scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128))
 
 
+def test_activation_scale_layouts():
+    """A 0-dim per-tensor scale, and column-major grouped scales (DeepGEMM's layout), read as their values."""
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(5, 72, 256, "block", (128, 128), x_group=128)
+    column_major = x_scale.t().contiguous().t()
+    out = gemm.scaled_mm_blockwise(x_q, column_major, w_q, w_scale, bias, DTYPE, 128, 128)
+    assert_close(out, scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, 128, 128))
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(5, 72, 256, "per_channel", None, static=True)
+    out = gemm.scaled_mm(x_q, x_scale.reshape(()), w_q, w_scale, bias, DTYPE)
+    assert_close(out, scaled_mm_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE))
+
+
 def test_grouped_activation_scales_must_match_the_weight_blocks():
     x_q, x_scale, w_q, w_scale, bias = gemm_inputs(3, 64, 256, "block", (128, 128), x_group=64)
     with pytest.raises(ValueError, match="4 groups fit neither one a token nor the weight's 2 blocks"):
@@ -206,9 +217,10 @@ SKINNY_CASES = [
 
 @pytest.mark.parametrize("m,config,scheme,static", SKINNY_CASES)
 def test_skinny_gemm_configs(m, config, scheme, static):
+    """Block scales take activations scaled per token and 128 columns here: split-K slices start mid-group."""
     block = (128, 128) if scheme == "block" else None
     n, k = 72, 448
-    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, block, static)
+    x_q, x_scale, w_q, w_scale, bias = gemm_inputs(m, n, k, scheme, block, static, x_group=128 if block else 0)
     out = gemm.run_skinny_mm(x_q, x_scale, w_q, w_scale, bias, DTYPE, block or (1, k), config)
     if block:
         ref = scaled_mm_blockwise_reference(x_q, x_scale, w_q, w_scale, bias, DTYPE, *block)

@@ -10,7 +10,8 @@ With a `LayerQuantConfig` the weight is e4m3 with fp32 `weight_scale`:
 - per tensor: [1]; a packed layer keeps each shard's scale on its rows ([out, 1]), so shards
   quantized separately stay exact (the matmul is then row-wise scaled);
 - per channel: [out, 1];
-- per block (bn, bk): [cdiv(out, bn), cdiv(in, bk)]; packed shards must start on block rows.
+- per block (bn, bk): [cdiv(out, bn), cdiv(in, bk)]; packed shards must start on block rows. Dynamic
+  activations then get a scale per token and bk columns (a power of two; else one a token).
 
 Checkpoint FP8 weights and scales load as they are (the fp8 format's `weight_scale_inv` is the
 same multiplier under another name, mapped by the loader); online quantization quantizes each
@@ -36,6 +37,11 @@ from atom_models.quantization.config import LayerQuantConfig
 
 # Static input scales of dummy weights cover activations up to this magnitude (normalised hidden states).
 DUMMY_INPUT_RANGE = 16.0
+
+
+def is_power_of_two(n: int) -> bool:
+    """Block widths the grouped activation quantizers take; other widths keep one scale a token."""
+    return n > 0 and not n & (n - 1)
 
 
 def frozen(t: Tensor) -> nn.Parameter:
@@ -194,7 +200,8 @@ class Linear(nn.Module):
             return torch.ops.atom.linear(x, weight, self.bias)
         if spec.activations == "static_per_tensor":
             x_q, x_scale = quantize_fp8_static(x, self.input_scale), self.input_scale
-        elif spec.weights == "block":  # a scale per token and weight block of columns, as DeepSeek-V3 and vLLM
+        elif spec.weights == "block" and is_power_of_two(spec.block_size[1]):
+            # a scale per token and weight block of columns, as DeepSeek-V3 and vLLM quantize them
             x_q, x_scale = torch.ops.atom.quant_fp8_per_token(x, spec.block_size[1])
         else:
             x_q, x_scale = torch.ops.atom.quant_fp8_per_token(x)

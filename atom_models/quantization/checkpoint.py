@@ -59,8 +59,11 @@ def _hf_quantization_config(fmt: str, spec: LayerQuantConfig, ignore: list[str],
     weights = {**fp8, "strategy": strategy, "dynamic": False}
     if spec.block_size:
         weights["block_structure"] = list(spec.block_size)
+    token = {"strategy": "token"}
+    if spec.weights == "block":  # as llm-compressor's FP8_BLOCK scheme writes it
+        token = {"strategy": "group", "group_size": spec.block_size[1]}
     inputs = {
-        "dynamic_per_token": {**fp8, "strategy": "token", "dynamic": True},
+        "dynamic_per_token": {**fp8, **token, "dynamic": True},
         "static_per_tensor": {**fp8, "strategy": "tensor", "dynamic": False},
         "none": None,
     }[spec.activations]

@@ -9,7 +9,8 @@ multiple of 16) take the Triton kernel, which covers those scales too.
 (torch 2.11 on H100), so it runs the Triton kernel below. The kernel streams [BLOCK_K] slices of
 x and w through fp8 `tl.dot` (native on Hopper) with fp32 accumulation; a weight scale that
 changes along K (block scales) multiplies each slice's partial product, one that does not
-(per tensor, per channel) and the per-token activation scale multiply once at the end.
+(per tensor, per channel) multiplies once at the end; so does a per-token activation scale, while
+one per token and block of columns (DeepSeek-V3's 1x128) multiplies each slice with the weight's.
 
 Decode (M up to SKINNY_MAX_M) is bandwidth-bound and takes `_skinny_mm_kernel` instead, from both
 dispatch functions: at M = 1 on Llama-3-8B's projections cuBLASLt reached 42-75% of the weight-read
@@ -153,15 +154,23 @@ def _weights(w_q: Tensor, w_scale: Tensor | None, k: int, scale_k: int, block_k:
     return w_q, w_scale.reshape(-1, 1) if w_scale.dim() < 2 else w_scale
 
 
-def _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block: tuple[int, int], config) -> tuple[tuple, dict]:
+def _activation_scales(x_scale: Tensor) -> Tensor:
+    """x_scale as [rows, groups] with unit stride along the groups, as the kernels index it.
+
+    x_scale: [] or [1] (per tensor), [..., 1] (per token) or, with block scales, [..., cdiv(K, scale_k)]
+    (per token and group of scale_k columns; a column-major one is copied).
+    """
+    xs = x_scale.reshape(-1, x_scale.shape[-1] if x_scale.dim() else 1)
+    return xs if xs.shape[1] == 1 or xs.stride(1) == 1 else xs.contiguous()
+
+
+def _scale_arguments(x, xs, w_q, ws, bias, out, scale_block: tuple[int, int], config) -> tuple[tuple, dict]:
     """The strides and scale/bias constants both GEMM kernels take (a stride of 0 broadcasts one scale).
 
-    x_scale: [1] (per tensor), [..., 1] (per token) or, with block scales, [..., cdiv(K, scale_k)] (per token
-    and group of scale_k columns).
+    xs: the activation scales from `_activation_scales`.
     """
     scale_n, scale_k = scale_block
     along_k = scale_k < x.shape[1]
-    xs = x_scale.reshape(-1, x_scale.shape[-1])
     grouped = xs.shape[1] > 1
     if grouped and (not along_k or xs.shape[1] != triton.cdiv(x.shape[1], scale_k)):
         raise ValueError(
@@ -200,12 +209,14 @@ def run_scaled_mm(
     scale_block: tuple[int, int],
     config: GemmConfig | None = None,
 ) -> Tensor:
-    """The Triton GEMM. x_scale: [..., 1] per token or [1]; w_scale: [cdiv(N, sn), cdiv(K, sk)] for
+    """The Triton GEMM. x_scale: [1], [..., 1] per token, or [..., cdiv(K, sk)] per token and block of columns
+    (block scales only); w_scale: [cdiv(N, sn), cdiv(K, sk)] for
     scale_block (sn, sk), where sk >= K means one scale along K (per channel: (1, K); per tensor: [1])."""
     x = as_rows(x_q)
     (m, k), n = x.shape, w_q.shape[0]
     config = config or default_config(m, n, k, scale_block[1], x.device)
     w_q, ws = _weights(w_q, w_scale, k, scale_block[1], config.block_k)
+    x_scale = _activation_scales(x_scale)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m:
         strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
@@ -449,7 +460,9 @@ def run_skinny_mm(
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     scaled = ws is not None
-    if not scaled:  # unused scale pointers (one element, so no scale looks grouped)
+    if scaled:
+        x_scale = _activation_scales(x_scale)
+    else:  # unused scale pointers (one element, so no scale looks grouped)
         x_scale = ws = out[:1, :1]
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
