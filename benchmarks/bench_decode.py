@@ -203,6 +203,8 @@ def main() -> None:
         help="also profile an eager step, and trace the engine at the smallest and the largest batch",
     )
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
 
     with tempfile.TemporaryDirectory() as tmp:
         artifact = args.artifact or dummy_artifact(args.preset, Path(tmp), "cuda")

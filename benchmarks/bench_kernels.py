@@ -175,6 +175,13 @@ def bench_row_kernels(copy_tbps: float) -> list[dict]:
          lambda: silu_and_mul_reference(gate_up)),
         ("silu_and_mul_quant_fp8", tokens * inter * (2 * act + 1), lambda: activation.silu_and_mul_quant_fp8(gate_up),
          lambda: quant_ops.silu_and_mul_quant_fp8_reference(gate_up)),
+        # block-128 FP8 models: a scale per token and 128 columns
+        ("fused_add_rms_norm_quant_fp8/128", tokens * hidden * (3 * act + 1),
+         lambda: norm.fused_add_rms_norm_quant_fp8(x, res, w, 1e-6, 128),
+         lambda: quant_ops.fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-6, 128)),
+        ("silu_and_mul_quant_fp8/128", tokens * inter * (2 * act + 1),
+         lambda: activation.silu_and_mul_quant_fp8(gate_up, 128),
+         lambda: quant_ops.silu_and_mul_quant_fp8_reference(gate_up, 128)),
         ("rope_and_cache", 2 * qkv.numel() * act,
          lambda: rotary_cache.rope_and_cache(positions, q, k, v, table, cache, slots),
          lambda: attention_ops.rope_and_cache_reference(positions, q, k, v, table, cache, slots)),

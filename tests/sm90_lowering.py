@@ -1,4 +1,4 @@
-"""Compile the GEMM and FP8 quantizer kernels for sm_90 (H100) without a GPU: PTX and ptxas, every variant.
+"""Compile the Triton kernels for sm_90 (H100) without a GPU: PTX and ptxas, their main variants.
 
 Run by tests/test_triton_kernels.py in a process of its own (Triton's interpreter, which the other tests use,
 must be off when kernels are defined). The interpreter executes kernels as numpy; this catches what only
@@ -10,19 +10,20 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from atom_models.ops.triton_kernels import activation, gemm, norm, quant
+from atom_models.ops.triton_kernels import activation, attention, gemm, norm, quant, rotary_cache
 
 H100 = GPUTarget("cuda", 90, 64)
-BF16, FP8 = "*bf16", "*fp8e4nv"
+BF16, FP8, I32, I64 = "*bf16", "*fp8e4nv", "*i32", "*i64"
+FLOATS = {"eps", "qk_scale"}  # the kernels' float arguments; every other non-pointer is an int
 
 
 def argument_type(param, pointers: dict[str, str]) -> str:
-    """Pointers as given (else fp32), constexprs as declared, `eps` fp32, every other argument i32."""
+    """Pointers as given (else fp32), constexprs as declared, FLOATS fp32, every other argument i32."""
     if param.is_constexpr:
         return "constexpr"
     if param.name.endswith("_ptr"):
         return pointers.get(param.name, "*fp32")
-    return "fp32" if param.name == "eps" else "i32"
+    return "fp32" if param.name in FLOATS else "i32"
 
 
 def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None:
@@ -54,4 +55,21 @@ unscaled = {"SCALE_N": 1, "SCALE_K": 128, "SCALED": False, "SCALE_ALONG_K": Fals
 for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (False, 1, 8, 256)]:
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": True, "USE_DOT": dot}
     build(gemm._skinny_mm_kernel, bf16_gemm, {**unscaled, "HAS_BIAS": True, **tiles, "NUM_STAGES": 4}, num_warps=4)
+for fp8_cache in (False, True):
+    cache = FP8 if fp8_cache else BF16
+    pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}
+    pointers |= {name: BF16 for name in ("q_ptr", "k_ptr", "v_ptr", "q_w_ptr", "k_w_ptr", "q_out_ptr", "k_out_ptr")}
+    heads = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "Q_HEADS_P": 32, "KV_HEADS_P": 8, "HALF": 64, "HALF_P": 64}
+    for qk_norm in (False, True):
+        flags = {"ROPE": True, "QK_NORM": qk_norm, "K_OUT": False, "WRITE_CACHE": True}
+        constexprs = {**heads, "BLOCK_SIZE": 16, "IN_DTYPE": tl.bfloat16, "ACT_DTYPE": tl.bfloat16, **flags}
+        constexprs |= {"FP8_CACHE": fp8_cache, "HAS_SCALES": fp8_cache}
+        build(rotary_cache._rope_cache_kernel, pointers, constexprs, num_warps=4)
+    pointers = {"q_ptr": BF16, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": BF16, "tickets_ptr": I32}
+    pointers |= {"block_tables_ptr": I32, "seq_lens_ptr": I32, "query_start_loc_ptr": I32}
+    for decode_only in (False, True):
+        tiles = {"BLOCK_Q": 32, "BLOCK_N": 32, "DECODE_ROWS": 16, "DECODE_BLOCK_N": 128, "BLOCK_SIZE": 16}
+        constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": attention.MAX_SPLITS}
+        constexprs |= {"KV_SCALES": fp8_cache, "DECODE_ONLY": decode_only}
+        build(attention._attention_kernel, pointers, constexprs, num_warps=4, num_stages=3)
 print("all kernels lowered for sm_90")

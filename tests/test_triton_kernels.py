@@ -417,7 +417,7 @@ def test_paged_attention_gpu_cuda_graph():
 
 
 def test_kernels_lower_to_sm90_machine_code():
-    """The GEMM and quantizer kernels compile for an H100 (see tests/sm90_lowering.py), GPU or not."""
+    """The kernels compile for an H100 (see tests/sm90_lowering.py), GPU or not."""
     script = Path(__file__).with_name("sm90_lowering.py")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
