@@ -39,13 +39,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl
 
 @triton.jit
 def _silu_and_mul_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, stride_scale, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     y = _silu_mul(x_ptr + row * stride_x, cols, mask, n_cols).to(tl.float32)
-    store_fp8_row(y, mask, n_cols, q_ptr + row * stride_q + cols, scale_ptr + row * stride_scale, BLOCK, GROUP)
+    store_fp8_row(y, mask, n_cols, q_ptr + row * stride_q + cols, scale_ptr, row, BLOCK, GROUP)
 
 
 @register_impl("silu_and_mul", "triton")
@@ -74,7 +74,6 @@ def silu_and_mul_quant_fp8(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tens
             scale,
             rows.stride(0),
             n_cols,
-            scale.shape[-1],
             n_cols,
             BLOCK=block,
             GROUP=scale_group(block, group_size),

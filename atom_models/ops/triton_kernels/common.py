@@ -68,12 +68,12 @@ def scale_group(block: int, group_size: int) -> int:
 
 
 @triton.jit
-def store_fp8_row(y, mask, n_cols, q_ptr, scale_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def store_fp8_row(y, mask, n_cols, q_ptr, scale_ptr, row, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """Quantize the fp32 row `y` ([BLOCK]) to e4m3 with one dynamic scale per GROUP columns, as the reference
-    does; scales go to scale_ptr[0, 1, ...], for the groups that hold any of the row's n_cols columns."""
+    does; the scales go to row `row` of the contiguous [rows, cdiv(n_cols, GROUP)] scale tensor at scale_ptr."""
     groups = tl.reshape(tl.where(mask, tl.abs(y), 0.0), [BLOCK // GROUP, GROUP])
     scale = tl.maximum(tl.max(groups, axis=1) / FP8_MAX_C, MIN_SCALE_C)
     q = tl.reshape(tl.reshape(y, [BLOCK // GROUP, GROUP]) / scale[:, None], [BLOCK])
     tl.store(q_ptr, tl.clamp(q, -FP8_MAX_C, FP8_MAX_C).to(q_ptr.dtype.element_ty), mask=mask)
     group = tl.arange(0, BLOCK // GROUP)
-    tl.store(scale_ptr + group, scale, mask=group * GROUP < n_cols)
+    tl.store(scale_ptr + row * tl.cdiv(n_cols, GROUP) + group, scale, mask=group * GROUP < n_cols)

@@ -290,36 +290,6 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
 
 
-@triton.jit
-def _store_skinny(
-    acc,
-    offs_m,
-    offs_n,
-    m_ok,
-    n_ok,
-    xs_ptr,
-    stride_xsm,
-    ws_ptrs,
-    bias_ptr,
-    out_ptr,
-    stride_om,
-    SCALED,
-    SCALE_ALONG_K,
-    X_GROUPED,
-    HAS_BIAS,
-):
-    """out[m, n] = acc[n, m] times the scales not applied yet, plus bias."""
-    if SCALED:
-        if not SCALE_ALONG_K:
-            acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
-        if not X_GROUPED:
-            acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
-
-
 @triton.jit(do_not_specialize=["M"])
 def _skinny_mm_kernel(
     x_ptr,
@@ -413,24 +383,16 @@ def _skinny_mm_kernel(
             acc = tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
             for s in range(1, num_splits):
                 acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-    if last:
-        _store_skinny(
-            acc,
-            offs_m,
-            offs_n,
-            m_ok,
-            n_ok,
-            xs_ptr,
-            stride_xsm,
-            ws_ptrs,
-            bias_ptr,
-            out_ptr,
-            stride_om,
-            SCALED,
-            SCALE_ALONG_K,
-            X_GROUPED,
-            HAS_BIAS,
-        )
+    if last:  # the scales not applied yet, then bias
+        if SCALED:
+            if not SCALE_ALONG_K:
+                acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
+            if not X_GROUPED:
+                acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
 def run_skinny_mm(

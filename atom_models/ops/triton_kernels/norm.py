@@ -51,8 +51,7 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = ((x * rstd).to(NORM_DTYPE).to(tl.float32) * w).to(OUT_DTYPE)
     if QUANT:
-        scales = scale_ptr + row * tl.cdiv(n_cols, GROUP)
-        store_fp8_row(y.to(tl.float32), mask, n_cols, out_ptr + row * stride_out + cols, scales, BLOCK, GROUP)
+        store_fp8_row(y.to(tl.float32), mask, n_cols, out_ptr + row * stride_out + cols, scale_ptr, row, BLOCK, GROUP)
     else:
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 

@@ -22,14 +22,12 @@ def fp8_outputs(x: Tensor, n_cols: int, group_size: int = 0) -> tuple[Tensor, Te
 
 
 @triton.jit
-def _quant_fp8_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, stride_scale, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr
-):
+def _quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    store_fp8_row(x, mask, n_cols, q_ptr + row * stride_q + cols, scale_ptr + row * stride_scale, BLOCK, GROUP)
+    store_fp8_row(x, mask, n_cols, q_ptr + row * stride_q + cols, scale_ptr, row, BLOCK, GROUP)
 
 
 @register_impl("quant_fp8_per_token", "triton")
@@ -44,7 +42,6 @@ def quant_fp8_per_token(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]
             scale,
             rows.stride(0),
             x_q.shape[-1],
-            scale.shape[-1],
             rows.shape[1],
             BLOCK=block,
             GROUP=scale_group(block, group_size),
