@@ -1,30 +1,28 @@
 """The asyncio engine: requests in, streamed outputs out.
 
-The engine core steps in its own thread and sees only token ids. This side, on the event
-loop (uvloop under the server and `LLM`), tokenizes prompts, detokenizes new tokens,
-matches stop strings and feeds each request's output queue, so HTTP and text work never
-sit between two GPU steps. Commands to the core (add, abort) go through a thread-safe
-queue; updates come back with `call_soon_threadsafe`.
+The engine core steps in a thread or a process of its own (`core_client`) and sees only token
+ids. This side, on the event loop (uvloop under the server and `LLM`), tokenizes prompts (long
+ones on a worker thread, which releases the GIL), detokenizes new tokens, matches stop strings
+and feeds each request's output queue, so HTTP and text work never sit between two GPU steps.
+Commands go to the core through a queue; its messages come back with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import gc
+import itertools
 import logging
-import queue
-import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from atom_runtime.core_client import CoreProcess, CoreThread, EngineProcessSettings
 from atom_runtime.detokenizer import IncrementalDetokenizer
-from atom_runtime.engine_core import EngineCore, StepOutput
+from atom_runtime.engine_core import EngineCore, EngineStats, StepOutput
 from atom_runtime.metrics import Metrics
 from atom_runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atom_runtime.sampler import SampledTokens
@@ -32,11 +30,9 @@ from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# How long a thread waiting for the GIL lets the holder run before asking for it (CPython's default:
-# 5 ms). The core thread releases the GIL in every CUDA call that waits or launches a graph; with the
-# default, each such release could hand the event loop (busy with a large batch's outputs) 5 ms before
-# the next step's launch resumed, idling the GPU. A short interval bounds that wait.
-GIL_SWITCH_INTERVAL_S = 1e-4
+# Prompts longer than this (characters) are tokenized on a worker thread, off the event loop: a 10k-word
+# prompt takes ~15 ms, which would hold back every stream's tokens.
+TOKENIZE_INLINE_MAX_CHARS = 2000
 
 
 class EngineDeadError(RuntimeError):
@@ -91,84 +87,41 @@ class _RequestState:
         )
 
 
-class EngineProcessSettings:
-    """What running engines change for the whole process, undone when the last of them shuts down.
-
-    - The GIL switch interval (GIL_SWITCH_INTERVAL_S).
-    - The garbage collector: what is loaded by the time an engine starts (model, compiled pieces, graphs,
-      tokenizer: 10^5-10^6 objects) lives as long as the engine, and is frozen out of the collector's
-      way. Otherwise a full collection, which the per-step objects of a large batch trigger every so
-      often, scans all of it and stalls a step by 0.1-0.4 s (measured at batch 256 on an H100 host).
-      Freezing takes whatever else the process holds at that moment too; it is collectable again once
-      no engine runs.
-    """
-
-    running = 0  # engines started and not shut down
-    _lock = threading.Lock()
-    _switch_interval = 0.0
-
-    @classmethod
-    def engine_started(cls) -> None:
-        with cls._lock:
-            if not cls.running:
-                cls._switch_interval = sys.getswitchinterval()
-                sys.setswitchinterval(min(cls._switch_interval, GIL_SWITCH_INTERVAL_S))
-            gc.collect()
-            gc.freeze()
-            cls.running += 1
-
-    @classmethod
-    def engine_stopped(cls) -> None:
-        with cls._lock:
-            cls.running -= 1
-            if not cls.running:
-                gc.unfreeze()
-                sys.setswitchinterval(cls._switch_interval)
-
-
 class AsyncEngine:
-    def __init__(self, core: EngineCore, tokenizer: PreTrainedTokenizerBase, model_name: str):
-        self.core = core
+    def __init__(self, core: CoreThread | CoreProcess, tokenizer: PreTrainedTokenizerBase, model_name: str):
+        self._core = core
+        self.core: EngineCore | None = core.core  # only where it steps in this process
+        self.limits = core.limits
         self.tokenizer = tokenizer
         self.backend_tokenizer = tokenizer.backend_tokenizer
         self.model_name = model_name
-        self.vocab_size = core.runner.model.config.vocab_size
-        self.metrics = Metrics(core.stats, model_name)
+        self.stats = EngineStats()  # as of the core's last message
+        self.metrics = Metrics(lambda: self.stats, model_name)
         self._states: dict[str, _RequestState] = {}
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-tokenizer")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
-        self._stopping = False
         EngineProcessSettings.engine_started()
-        self._counted = True  # in EngineProcessSettings.running, until its core thread has stopped
-        self._thread = threading.Thread(target=self._core_loop, name="atom-engine-core", daemon=True)
-        self._thread.start()
+        self._counted = True  # in EngineProcessSettings.running, until its core has stopped
+        core.start(self._post)
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.limits.max_model_len
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        return self._error is None and self._core.is_alive()
 
-    # ---- the core thread -------------------------------------------------------------
+    # ---- messages from the core (any thread) -----------------------------------------
 
-    def _core_loop(self) -> None:
-        try:
-            while True:
-                self._run_commands(block=not self.core.has_work())
-                if self._stopping:
-                    return
-                if self.core.has_work():
-                    output = self.core.step()
-                    if output is not None:
-                        self._to_loop(self._on_updates, output)
-        except BaseException as error:  # noqa: BLE001  (reported to every waiting request)
-            logger.exception("engine core failed")
-            self._error = error
-            if self._loop is not None:
-                self._to_loop(self._fail_all, error)
+    def _post(self, message: tuple) -> None:
+        if message[0] == "dead":
+            self._error = message[1]
+        if self._loop is not None:
+            self._to_loop(self._receive, message)
 
     def _to_loop(self, callback: Callable, *args) -> None:
         """Run `callback` on the event loop; not at all if it has closed (its requests wait for nothing)."""
@@ -179,48 +132,47 @@ class AsyncEngine:
             if not loop.is_closed():
                 raise
 
-    def _run_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(block=block)
-        except queue.Empty:
-            return
-        while True:
-            kind, args = command
-            if kind == "add":
-                try:
-                    self.core.add_request(*args)
-                except InvalidRequestError as error:
-                    self._to_loop(self._fail_request, args[0], error)
-            elif kind == "abort":
-                self.core.abort(*args)
-            elif kind == "call":
-                fn, future = args
-                if future.set_running_or_notify_cancel():  # else the caller stopped waiting: skip it
-                    try:
-                        future.set_result(fn())
-                    except Exception as error:  # noqa: BLE001  (handed back to the caller)
-                        future.set_exception(error)
-            elif kind == "stop":
-                self._stopping = True
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+    def _receive(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, output, self.stats = message
+            self._on_updates(output)
+        elif kind == "stats":
+            self.stats = message[1]
+        elif kind == "rejected":
+            _, request_id, error = message
+            state = self._states.get(request_id)
+            if state is not None:
+                state.queue.put_nowait(error)
+        elif kind == "called":
+            _, call_id, error, value = message
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(value)
+        elif kind == "dead":
+            error = EngineDeadError(f"the engine stopped after an error: {message[1]}")
+            for state in list(self._states.values()):
+                state.queue.put_nowait(error)
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(error)
 
     # ---- the event loop --------------------------------------------------------------
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        def encode() -> list[int]:
+            # The Rust tokenizer itself: its batch call lets go of the GIL, and it is safe beside decodes.
+            return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+        if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, encode)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab_size - 1})", "prompt"
-            )
-        self.core.check_fits(len(prompt_token_ids), params)
+        self.limits.check(prompt_token_ids, params)
 
     async def generate(
         self,
@@ -243,7 +195,7 @@ class AsyncEngine:
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequestError("give a prompt or prompt_token_ids", "prompt")
-            prompt_token_ids = self.tokenize(prompt)
+            prompt_token_ids = await self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._states:
@@ -269,7 +221,7 @@ class AsyncEngine:
             stream,
         )
         self._states[request_id] = state
-        self._commands.put(("add", (request_id, state.prompt_token_ids, params)))
+        self._core.send(("add", request_id, state.prompt_token_ids, params))
         try:
             while True:
                 item = await state.queue.get()
@@ -280,19 +232,29 @@ class AsyncEngine:
                     return
         finally:
             if not state.finished:
-                self._commands.put(("abort", (request_id,)))
+                self._core.send(("abort", request_id, None))
             self._states.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", (request_id,)))
+        self._core.send(("abort", request_id, None))
 
-    async def call_in_core(self, fn: Callable[[], object]) -> object:
-        """Runs `fn` on the core thread between two steps, for thread-bound tools such as torch.profiler."""
+    async def call_in_core(self, fn: Callable[[EngineCore], object]) -> object:
+        """`fn(core)` on the core's thread between two steps, for thread-bound tools such as torch.profiler.
+
+        Where the core has a process of its own, `fn` and its result must pickle (a module-level function,
+        or `operator.methodcaller`).
+        """
         if not self.is_healthy:
             raise EngineDeadError(f"the engine stopped after an error: {self._error}")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", (fn, future)))
-        return await asyncio.wrap_future(future)
+        self._loop = asyncio.get_running_loop()
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            self._core.send(("call", call_id, fn))
+            return await future
+        finally:
+            del self._calls[call_id]
 
     def _on_updates(self, output: StepOutput) -> None:
         """Add one step's tokens to their requests; queue the outputs of finished and streamed ones."""
@@ -300,13 +262,15 @@ class AsyncEngine:
         states, skipped, finished = self._states, output.skipped, output.finished
         changed: dict[str, _RequestState] = {}
         ended: set[str] = set()  # requests one of whose completions ended in this step
-        for row, (seq, token) in enumerate(zip(output.seqs, output.token_ids, strict=True)):
+        for row, (request_id, index, token) in enumerate(
+            zip(output.request_ids, output.indices, output.token_ids, strict=True)
+        ):
             if skipped and row in skipped:
                 continue
-            state = states.get(seq.request_id)
+            state = states.get(request_id)
             if state is None:
                 continue
-            completion = state.completions[seq.index]
+            completion = state.completions[index]
             if completion.finish_reason is not None:
                 continue  # already ended by a stop string; the core has been told
             completion.token_ids.append(token)
@@ -316,16 +280,16 @@ class AsyncEngine:
             stop = detokenizer.add(token) if detokenizer is not None else None
             if stop is not None:
                 completion.finish_reason, completion.stop_reason = "stop", stop
-                ended.add(seq.request_id)
+                ended.add(request_id)
                 if row not in finished:
-                    self._commands.put(("abort", (seq.request_id, seq.index)))
+                    self._core.send(("abort", request_id, index))
             elif finished and row in finished:
                 if detokenizer is not None:
                     detokenizer.flush()
                 completion.finish_reason, completion.stop_reason = finished[row]
-                ended.add(seq.request_id)
-            state.metrics.num_cached_tokens = seq.num_cached_tokens
-            changed[seq.request_id] = state
+                ended.add(request_id)
+            state.metrics.num_cached_tokens = output.num_cached_tokens[row]
+            changed[request_id] = state
         for request_id, state in changed.items():
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
@@ -363,22 +327,10 @@ class AsyncEngine:
                 completion.finish_reason,
             )
 
-    def _fail_request(self, request_id: str, error: BaseException) -> None:
-        state = self._states.get(request_id)
-        if state is not None:
-            state.queue.put_nowait(error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for state in list(self._states.values()):
-            state.queue.put_nowait(EngineDeadError(f"the engine stopped after an error: {error}"))
-
     def shutdown(self, free_memory: bool = True) -> None:
-        """Stop the core thread; with `free_memory`, also give back the KV cache and graphs' device memory."""
-        if self._thread.is_alive():
-            self._commands.put(("stop", ()))
-            self._thread.join(timeout=10)
-        if self._counted and not self._thread.is_alive():
+        """Stop the core; with `free_memory`, also give back the KV cache and graphs' device memory."""
+        self._core.shutdown(free_memory)
+        if self._counted and not self._core.is_alive():
             self._counted = False
             EngineProcessSettings.engine_stopped()
-        if free_memory and not self._thread.is_alive():
-            self.core.runner.release()
+        self._tokenizer_thread.shutdown(wait=False)

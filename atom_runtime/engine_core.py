@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.config import EngineConfig
 from atom_runtime.model_runner import ModelRunner
@@ -25,13 +27,15 @@ FINISHED = SequenceStatus.FINISHED
 
 @dataclass
 class StepOutput:
-    """The tokens one step sampled: row `i` gives `token_ids[i]` to `seqs[i]`.
+    """The tokens one step sampled: row `i` gives `token_ids[i]` to sample `indices[i]` of `request_ids[i]`.
 
-    Made once per step from the sampled lists as they come, rather than an object per token: at large
-    batches, per-token objects cost more than the rest of the step's bookkeeping.
+    Columns of plain values, made once per step rather than an object per token (at large batches, per-token
+    objects cost more than the rest of the step's bookkeeping), and cheap to pickle to another process.
     """
 
-    seqs: list[Sequence]
+    request_ids: list[str]
+    indices: list[int]  # which of the request's n samples
+    num_cached_tokens: list[int]  # prompt tokens the row's sequence found in the prefix cache
     token_ids: list[int]
     sampled: SampledTokens  # with the logprobs, for rows whose request asked for them
     skipped: set[int] = field(default_factory=set)  # rows whose sequence had already finished: no token
@@ -46,6 +50,56 @@ class InFlight:
     seqs: list[Sequence]  # the sequences it samples for, one per row
     positions: list[int]  # where each one's placeholder token sits
     needs_penalties: bool  # some row applies penalties: the next step needs its tokens on the host first
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request may ask of this engine; checked before it is queued, by whichever process receives it."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_logprobs: int
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what can never run: an empty prompt, unknown tokens, too long for the context or the whole cache."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab_size - 1})", "prompt"
+            )
+        num_prompt_tokens = len(prompt_token_ids)
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, but the model's context is {self.max_model_len} tokens "
+                f"and at least one must be left to generate",
+                "prompt",
+            )
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the "
+                f"model's context of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        total = num_prompt_tokens + (params.max_tokens or self.max_model_len - num_prompt_tokens)
+        needed = -(-total // self.block_size)
+        if needed > self.num_blocks:
+            raise InvalidRequestError(
+                f"this request needs {needed} KV-cache blocks, but the whole cache has "
+                f"{self.num_blocks}; lower max_tokens or the prompt length",
+                "max_tokens",
+            )
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise InvalidRequestError(
+                f"logprobs={params.logprobs} exceeds the server's max_logprobs={self.max_logprobs}",
+                "logprobs",
+            )
 
 
 @dataclass
@@ -75,45 +129,24 @@ class EngineCore:
         self.stats = EngineStats()
         self.in_flight: InFlight | None = None
         self._waited = 0.0  # this step's time blocked on the device
+        self.limits = EngineLimits(
+            config.max_model_len,
+            runner.model.config.vocab_size,
+            config.block_size,
+            self.block_manager.num_blocks,
+            config.max_num_seqs,
+            config.max_logprobs,
+        )
+        self._profiler: torch.profiler.profile | None = None
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuse what can never run: too long for the context, or for the whole KV cache alone."""
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens, but the model's context is {self.max_model_len} tokens "
-                f"and at least one must be left to generate",
-                "prompt",
-            )
-        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the "
-                f"model's context of {self.max_model_len} tokens",
-                "max_tokens",
-            )
-        total = num_prompt_tokens + (params.max_tokens or self.max_model_len - num_prompt_tokens)
-        needed = self.block_manager.blocks_needed(total)
-        if needed > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"this request needs {needed} KV-cache blocks, but the whole cache has "
-                f"{self.block_manager.num_blocks}; lower max_tokens or the prompt length",
-                "max_tokens",
-            )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}", "n")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InvalidRequestError(
-                f"logprobs={params.logprobs} exceeds the server's max_logprobs={self.config.max_logprobs}",
-                "logprobs",
-            )
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        self.check_fits(len(prompt_token_ids), params)
+        self.limits.check(prompt_token_ids, params)
         seqs = [
             Sequence(request_id, i, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
             for i in range(params.n)
@@ -197,10 +230,15 @@ class EngineCore:
         waiting = time.perf_counter()
         sampled = flight.sample.to_host()
         self._waited += time.perf_counter() - waiting
-        output = StepOutput(flight.seqs, sampled.token_ids, sampled)
-        for row, (seq, position, token) in enumerate(
-            zip(flight.seqs, flight.positions, sampled.token_ids, strict=True)
-        ):
+        seqs = flight.seqs
+        output = StepOutput(
+            [s.request_id for s in seqs],
+            [s.index for s in seqs],
+            [s.num_cached_tokens for s in seqs],
+            sampled.token_ids,
+            sampled,
+        )
+        for row, (seq, position, token) in enumerate(zip(seqs, flight.positions, sampled.token_ids, strict=True)):
             if seq.status is FINISHED:  # aborted, or stopped by an earlier token: this one is dropped
                 output.skipped.add(row)
                 continue
@@ -229,3 +267,18 @@ class EngineCore:
         s.prefix_cache_queries = self.block_manager.prefix_queries
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.num_preemptions = self.scheduler.num_preemptions
+
+    def start_profile(self, trace_path: str) -> None:
+        """Record a torch.profiler trace of this thread's steps (the profiler follows the thread that starts it)."""
+        self._profiler = torch.profiler.profile(
+            activities=list(torch.profiler.supported_activities()),
+            record_shapes=True,
+            on_trace_ready=lambda prof: prof.export_chrome_trace(trace_path),
+        )
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        """Stop recording and write the trace started by `start_profile`."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.stop()

@@ -14,6 +14,7 @@ from atom_models.loader import build_model, fill_dummy_weights, load_weights
 from atom_models.ops import default_backend, set_backend
 from atom_runtime.async_engine import AsyncEngine
 from atom_runtime.config import EngineConfig
+from atom_runtime.core_client import CoreProcess, CoreThread
 from atom_runtime.engine_core import EngineCore
 from atom_runtime.model_runner import LoadedModel, ModelRunner
 from atom_runtime.sampler import Sampler
@@ -75,7 +76,7 @@ def load_compiled_model(path: str | Path, rebuild: bool) -> tuple[LoadedModel, d
     return loaded, compiled.manifest
 
 
-def create_engine(
+def create_core(
     model: str | Path,
     *,
     dtype: str | torch.dtype = "auto",
@@ -83,13 +84,9 @@ def create_engine(
     quantization: str | None = None,
     load_dummy: bool = False,
     rebuild: bool = False,
-    served_model_name: str | None = None,
     config: EngineConfig | None = None,
-) -> AsyncEngine:
-    """An engine over an artifact directory (compiled by atom-compile) or an HF model directory (eager).
-
-    For an artifact, dtype, device and quantization come from its manifest; passing others is an error.
-    """
+) -> tuple[EngineCore, str]:
+    """The engine core over an artifact or HF model directory, and the directory its tokenizer is in."""
     config = config or EngineConfig()
     if is_artifact(model):
         _refuse_overrides(model, dtype=dtype, device=device, quantization=quantization, load_dummy=load_dummy)
@@ -106,5 +103,27 @@ def create_engine(
     tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
     torch.manual_seed(config.seed)
     runner = ModelRunner(loaded, config, Sampler())
-    core = EngineCore(runner, config, eos_token_ids(loaded.model_dir, loaded.config, tokenizer))
+    return EngineCore(runner, config, eos_token_ids(loaded.model_dir, loaded.config, tokenizer)), loaded.model_dir
+
+
+def create_engine(
+    model: str | Path,
+    *,
+    served_model_name: str | None = None,
+    engine_process: bool = False,
+    **core_args,
+) -> AsyncEngine:
+    """An engine over an artifact directory (compiled by atom-compile) or an HF model directory (eager).
+
+    For an artifact, dtype, device and quantization come from its manifest; passing others is an error.
+    `core_args` are `create_core`'s. With `engine_process`, the core loads and steps in a process of its
+    own (what `atom-run serve` does, so HTTP work never holds the GIL that the step loop needs).
+    """
+    if engine_process:
+        core = CoreProcess(dict(model=model, **core_args))
+        model_dir = core.model_dir
+    else:
+        engine_core, model_dir = create_core(model, **core_args)
+        core = CoreThread(engine_core)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return AsyncEngine(core, tokenizer, served_model_name or Path(model).name)

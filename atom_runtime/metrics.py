@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -30,9 +32,9 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineStatsCollector:
-    """Reads the engine core's counters at scrape time (they are updated by the step thread)."""
+    """Reads the engine core's counters at scrape time (the latest the core reported)."""
 
-    def __init__(self, stats: EngineStats, model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
         self.stats = stats
         self.labels = {"model_name": model_name}
 
@@ -47,7 +49,7 @@ class _EngineStatsCollector:
         return metric
 
     def collect(self):
-        s = self.stats
+        s = self.stats()
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         yield self._gauge("atom:num_requests_running", "Sequences in the running batch.", s.num_running)
         yield self._gauge("atom:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
@@ -64,7 +66,7 @@ class _EngineStatsCollector:
 
 
 class Metrics:
-    def __init__(self, stats: EngineStats, model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.prompt_tokens = Counter("atom:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)

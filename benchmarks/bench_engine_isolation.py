@@ -40,8 +40,8 @@ def metric(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:_total)?{{[^}}]*}} (\S+)$", text, re.M))
 
 
-async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> list[float]:
-    """Gaps between streamed chunks of one greedy completion."""
+async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """Time to the first streamed chunk of one greedy completion, and the gaps between chunks after it."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -51,15 +51,17 @@ async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tok
         "ignore_eos": True,
         "return_token_ids": True,  # a chunk for every token, even one whose text is held back
     }
-    gaps, last = [], None
+    gaps, last, started = [], None, time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 now = time.perf_counter()
                 if last is not None:
                     gaps.append(now - last)
+                else:
+                    first = now - started
                 last = now
-    return gaps
+    return first, gaps
 
 
 async def flood(client: httpx.AsyncClient, model: str, stop: asyncio.Event, long_prompt: str) -> int:
@@ -78,7 +80,9 @@ async def phase(base: str, model: str, concurrency: int, tokens: int, flooders: 
         stop = asyncio.Event()
         floods = [asyncio.create_task(flood(client, model, stop, long_prompt)) for _ in range(flooders)]
         started = time.perf_counter()
-        gaps = await asyncio.gather(*(stream_one(client, model, f"Request {i}:", tokens) for i in range(concurrency)))
+        streams = await asyncio.gather(
+            *(stream_one(client, model, f"Request {i}:", tokens) for i in range(concurrency))
+        )
         seconds = time.perf_counter() - started
         stop.set()
         flooded = sum(await asyncio.gather(*floods))
@@ -86,13 +90,14 @@ async def phase(base: str, model: str, concurrency: int, tokens: int, flooders: 
     steps = metric(after, "atom:engine_steps") - metric(before, "atom:engine_steps")
     step_s = metric(after, "atom:engine_step_seconds") - metric(before, "atom:engine_step_seconds")
     wait_s = metric(after, "atom:engine_step_wait_seconds") - metric(before, "atom:engine_step_wait_seconds")
-    itl = np.array([g for request in gaps for g in request]) * 1e3
+    itl = np.array([g for _, gaps in streams for g in gaps]) * 1e3
     return {
         "seconds": seconds,
         "output_tok_s": concurrency * tokens / seconds,
         "engine_steps": steps,
         "mean_step_ms": step_s / steps * 1e3,
         "mean_step_wait_ms": wait_s / steps * 1e3,
+        "ttft_mean_ms": float(np.mean([first for first, _ in streams])) * 1e3,
         "itl_median_ms": float(np.median(itl)),
         "itl_p99_ms": float(np.percentile(itl, 99)),
         "flood_requests": flooded,
@@ -151,11 +156,14 @@ def main() -> None:
             server.terminate()
             server.wait()
     print(f"\nengine isolation, {args.concurrency} streams x {args.tokens} tokens, {args.flooders} flooding clients")
-    print(f"{'phase':>6} {'step ms':>9} {'wait ms':>9} {'tok/s':>8} {'ITL p50':>9} {'ITL p99':>9} {'flood req':>10}")
+    print(
+        f"{'phase':>6} {'step ms':>9} {'wait ms':>9} {'tok/s':>8} {'TTFT ms':>9} {'ITL p50':>9} {'ITL p99':>9} "
+        f"{'flood req':>10}"
+    )
     for name, r in (("quiet", quiet), ("busy", busy)):
         print(
             f"{name:>6} {r['mean_step_ms']:>9.3f} {r['mean_step_wait_ms']:>9.3f} {r['output_tok_s']:>8.0f} "
-            f"{r['itl_median_ms']:>9.2f} {r['itl_p99_ms']:>9.2f} {r['flood_requests']:>10}"
+            f"{r['ttft_mean_ms']:>9.1f} {r['itl_median_ms']:>9.2f} {r['itl_p99_ms']:>9.2f} {r['flood_requests']:>10}"
         )
     args.out.write_text(
         json.dumps({"quiet": quiet, "busy": busy, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2)

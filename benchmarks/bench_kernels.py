@@ -248,6 +248,7 @@ def main() -> None:
         steps.append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", configs, sdpa=True))
         steps.append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", configs[:1], sdpa=False))
     steps.append(partial(bench_decode, [4096], "b1 ctx4096", configs, sdpa=True))
+    steps.append(partial(bench_decode, [432], "b1 ctx432", configs, sdpa=True))  # bench_decode.py's batch 1
     steps.append(partial(bench_row_kernels, copy_tbps))
     for step in steps:
         new_rows = step()

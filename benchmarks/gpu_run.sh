@@ -23,7 +23,7 @@ for stage in "$@"; do
     gemm) python3 -m pytest -q tests/test_triton_kernels.py -k linear 2>&1 | tail -2
       python3 benchmarks/bench_gemm.py --sweep --sweep-ms ${SWEEP_MS:-1 8} --out "$OUT/gemm.json" 2>&1 \
         | grep -v -e Warning -e "M=" | tee "$OUT/gemm.log" | tail -80 ;;
-    kernels) python3 benchmarks/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    kernels) python3 benchmarks/bench_kernels.py ${KERNELS_SWEEP:+--sweep} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400 --profile \
              --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
     decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256 --context 400 --profile \

@@ -13,7 +13,8 @@ import pytest
 import uvloop
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.async_engine import EngineProcessSettings
+from atom_runtime.async_engine import TOKENIZE_INLINE_MAX_CHARS
+from atom_runtime.core_client import EngineProcessSettings
 
 PROMPTS = ["Hello", "The quick brown fox jumps over", "a", "Once upon a time, in a land far away, there"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -136,7 +137,7 @@ def test_requests_dropped_with_their_event_loop_leave_the_engine_running(llm):
         async with contextlib.aclosing(llm.engine.generate(None, params, prompt_token_ids=[5, 6, 7])) as outputs:
             async for _ in outputs:
                 # Hold the core until this loop has closed, with the request's next step queued.
-                asyncio.ensure_future(llm.engine.call_in_core(gate.wait))
+                asyncio.ensure_future(llm.engine.call_in_core(lambda core: gate.wait()))
                 return  # closing the stream aborts the request
 
     uvloop.run(first_token())
@@ -144,3 +145,17 @@ def test_requests_dropped_with_their_event_loop_leave_the_engine_running(llm):
     time.sleep(0.5)
     assert llm.engine.is_healthy
     assert len(llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids) == 24
+
+
+def test_long_prompts_tokenize_off_the_event_loop_to_the_same_ids(llm):
+    short, long = "Hello there, world", "lorem ipsum dolor sit amet " * 200
+    assert len(long) > TOKENIZE_INLINE_MAX_CHARS >= len(short)
+
+    async def both() -> list[list[int]]:
+        return [
+            await llm.engine.tokenize(t, add_special_tokens=special) for t in (short, long) for special in (True, False)
+        ]
+
+    tokenizer = llm.tokenizer
+    expected = [tokenizer.encode(t, add_special_tokens=special) for t in (short, long) for special in (True, False)]
+    assert uvloop.run(both()) == expected

@@ -59,8 +59,12 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    engine = create_engine(
-        tiny_llama, device="cpu", served_model_name=MODEL, config=EngineConfig(block_size=4, max_num_seqs=MAX_NUM_SEQS)
+    engine = create_engine(  # in its own process, as `atom-run serve` runs it
+        tiny_llama,
+        device="cpu",
+        served_model_name=MODEL,
+        engine_process=True,
+        config=EngineConfig(block_size=4, max_num_seqs=MAX_NUM_SEQS),
     )
     yield engine
     engine.shutdown()
@@ -107,11 +111,10 @@ def metric(url: str, name: str) -> float:
 
 
 def wait_until_idle(engine, timeout: float = 10.0) -> None:
-    """Until no sequence holds a KV block (aborts reach the core thread asynchronously)."""
-    manager = engine.core.block_manager
+    """Until no sequence holds a KV block, as the core last reported (aborts reach it asynchronously)."""
     deadline = time.monotonic() + timeout
-    while manager.num_free_blocks != manager.num_blocks or engine.core.sequences:
-        assert time.monotonic() < deadline, f"{manager.num_blocks - manager.num_free_blocks} blocks still held"
+    while (stats := engine.stats).kv_usage or stats.num_running or stats.num_waiting:
+        assert time.monotonic() < deadline, f"{stats.kv_usage:.0%} of the KV cache still held"
         time.sleep(0.02)
 
 
@@ -354,7 +357,7 @@ def test_stream_disconnect_frees_blocks(server, engine):
     ):
         assert response.status_code == 200
         assert next(line for line in response.iter_lines() if line.startswith("data: "))
-        assert engine.core.block_manager.num_free_blocks < engine.core.block_manager.num_blocks
+        assert engine.stats.kv_usage > 0
     wait_until_idle(engine)
     deadline = time.monotonic() + 5
     while metric(server.url, "atom:kv_cache_usage_perc") != 0 or metric(server.url, "atom:num_requests_running"):
@@ -595,3 +598,25 @@ def test_health_503_when_engine_stopped(tiny_llama):
         response = test_client.post(COMPLETIONS, json={"prompt": "hi"})
     assert response.status_code == 503
     assert response.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_engine_process_exit_is_reported(tiny_llama):
+    """The core's process dies: /health and new requests answer 503, a waiting request fails, nothing hangs."""
+    engine = create_engine(tiny_llama, device="cpu", engine_process=True, config=EngineConfig(block_size=4))
+    try:
+        with TestClient(build_app(engine, MODEL)) as test_client:
+            assert test_client.get("/health").status_code == 200
+            engine._core._process.kill()
+            deadline = time.monotonic() + 10
+            while engine.is_healthy:
+                assert time.monotonic() < deadline, "the engine still reports healthy"
+                time.sleep(0.05)
+            assert test_client.get("/health").status_code == 503
+            assert test_client.post(COMPLETIONS, json={"prompt": "hi"}).status_code == 503
+    finally:
+        engine.shutdown()
+
+
+def test_engine_process_startup_error_is_raised_here(tiny_llama):
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        create_engine(tiny_llama, device="cpu", engine_process=True, config=EngineConfig(max_model_len=10**7))

@@ -128,7 +128,9 @@ def build_app(
 
 def run_server(args: argparse.Namespace) -> None:
     """`atom-run serve`: loads the model, serves until interrupted, then stops the engine."""
-    engine = create_engine(args.model, served_model_name=args.served_model_name, **create_engine_kwargs(args))
+    engine = create_engine(
+        args.model, served_model_name=args.served_model_name, engine_process=True, **create_engine_kwargs(args)
+    )
     app = build_app(
         engine,
         engine.model_name,

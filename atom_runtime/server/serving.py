@@ -91,7 +91,7 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self._check_model(request.model)
         params = request.sampling_params()
-        prompts = [self._prompt(p) for p in request.prompts()]
+        prompts = [await self._prompt(p) for p in request.prompts()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = self._generate(prompts, params, request_id, request.stream)
         if request.stream:
@@ -166,7 +166,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             params = request.sampling_params()
-            prompt = self._render_chat(request)
+            prompt = await self._render_chat(request)
             outputs = self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = _CHAT_PARAMS.get(error.param, error.param)
@@ -229,7 +229,7 @@ class OpenAIServing:
         if request.include_usage:
             yield chunk(usage=_usage([final]))
 
-    def _render_chat(self, request: ChatCompletionRequest) -> _Prompt:
+    async def _render_chat(self, request: ChatCompletionRequest) -> _Prompt:
         """The conversation through the model's chat template, ending where the assistant's turn begins."""
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
@@ -241,7 +241,7 @@ class OpenAIServing:
         except jinja2.TemplateError as error:
             raise InvalidRequestError(f"the chat template rejected the messages: {error}", "messages") from error
         # The template writes the special tokens (BOS included) itself.
-        return _Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+        return _Prompt(text, await self.engine.tokenize(text, add_special_tokens=False))
 
     @staticmethod
     def _chat_logprobs(delta: _Delta, params: SamplingParams) -> ChatLogprobs | None:
@@ -265,9 +265,9 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _prompt(self, prompt: str | list[int]) -> _Prompt:
+    async def _prompt(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            return _Prompt(prompt, self.engine.tokenize(prompt))
+            return _Prompt(prompt, await self.engine.tokenize(prompt))
         return _Prompt(None, list(prompt))
 
     def _prompt_text(self, prompt: _Prompt) -> str:
