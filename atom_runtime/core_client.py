@@ -24,6 +24,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -216,6 +217,42 @@ class CoreProcess:
             self._reader.join(timeout=5)
 
 
+class _ParentWatch:
+    """The command queue of a core process, which reads a stop once its parent has gone.
+
+    A server killed without shutting its engine down (SIGKILL, a crash) must not leave a process
+    holding the GPU; the queue itself never reports it, since the child holds its write end too.
+    """
+
+    CHECK_EVERY_S = 1.0
+
+    def __init__(self, commands: Any):
+        self._commands = commands
+        self._parent = multiprocessing.parent_process()
+        self._checked = time.monotonic()
+
+    def _parent_gone(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked < self.CHECK_EVERY_S:
+            return False
+        self._checked = now
+        return not self._parent.is_alive()
+
+    def get(self, block: bool = True) -> tuple:
+        while True:
+            if self._parent_gone():
+                logger.warning("the server process has gone; stopping the engine")
+                return ("stop",)
+            try:
+                return self._commands.get(block=block, timeout=self.CHECK_EVERY_S if block else None)
+            except queue.Empty:
+                if not block:
+                    raise
+
+    def get_nowait(self) -> tuple:
+        return self.get(block=False)
+
+
 def _core_process_main(engine_kwargs: dict, log_level: int, commands: Any, messages: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops this process
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -228,4 +265,4 @@ def _core_process_main(engine_kwargs: dict, log_level: int, commands: Any, messa
         return
     EngineProcessSettings.engine_started()
     messages.put(("ready", core.limits, model_dir))
-    serve_core(core, commands, messages.put)
+    serve_core(core, _ParentWatch(commands), messages.put)

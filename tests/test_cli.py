@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -128,37 +129,56 @@ def test_engine_flags_cover_engine_config(tiny_llama):
     assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(args))
 
 
-def test_serve(tiny_llama):
+def start_server(model: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """`atom-run serve` on a free port, once it answers /health."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = subprocess.Popen(
-        ["atom-run", "serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-        + [
-            "--api-key",
-            "k",
-            "--served-model-name",
-            "tiny-served",
-            "--max-num-seqs",
-            "4",
-            "--uvicorn-log-level",
-            "warning",
-        ],
+        ["atom-run", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        assert server.poll() is None, server.stdout.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def engine_process(server: subprocess.Popen) -> int:
+    """The pid of the server's engine-core process (multiprocessing also starts a resource tracker)."""
+    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    engines = [pid for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(engines) == 1, engines
+    return int(engines[0])
+
+
+def assert_exits(pid: int, timeout: float = 15.0) -> None:
+    def running() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while running():
+        assert time.monotonic() < deadline, f"the engine process {pid} outlived its server"
+        time.sleep(0.1)
+
+
+def test_serve(tiny_llama):
+    server, url = start_server(
+        tiny_llama, "--api-key", "k", "--served-model-name", "tiny-served", "--max-num-seqs", "4",
+        "--uvicorn-log-level", "warning",
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models").status_code == 401
         headers = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "tiny-served"
@@ -168,7 +188,22 @@ def test_serve(tiny_llama):
             json={"model": "tiny-served", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         )
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+        engine = engine_process(server)
     finally:
         os.kill(server.pid, signal.SIGINT)
         server.wait(timeout=30)
     assert server.returncode == 0
+    assert_exits(engine)
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)])
+def test_stopped_server_leaves_no_engine_process(tiny_llama, sig, status):
+    """SIGTERM shuts the engine down before the server exits; after SIGKILL the engine notices and stops."""
+    server, _ = start_server(tiny_llama, "--uvicorn-log-level", "warning")
+    try:
+        engine = engine_process(server)
+    finally:
+        os.kill(server.pid, sig)
+        server.wait(timeout=30)
+    assert server.returncode == status
+    assert_exits(engine)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import signal
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -126,8 +127,15 @@ def build_app(
     return app
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """`atom-run serve`: loads the model, serves until interrupted, then stops the engine."""
+    """`atom-run serve`: loads the model, serves until interrupted (Ctrl-C, SIGTERM), then stops the engine."""
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again under the handler found before it started:
+    # by default that ends the process there, before the engine process is stopped.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     engine = create_engine(
         args.model, served_model_name=args.served_model_name, engine_process=True, **create_engine_kwargs(args)
     )
