@@ -27,9 +27,15 @@ def argument_type(param, pointers: dict[str, str]) -> str:
 
 
 def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None:
+    """Compiles `kernel`; one that takes USE_PDL is built with programmatic dependent launch, as on an H100."""
     signature = {param.name: argument_type(param, pointers) for param in kernel.params}
+    if "USE_PDL" in signature:
+        constexprs = {**constexprs, "USE_PDL": True}
+        options = {**options, "launch_pdl": True}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    assert "cubin" in triton.compile(source, target=H100, options=options).asm
+    compiled = triton.compile(source, target=H100, options=options)
+    assert "cubin" in compiled.asm
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == constexprs.get("USE_PDL", False)
 
 
 for block, group in [(1024, 1024), (1024, 128), (4096, 128), (64, 64)]:

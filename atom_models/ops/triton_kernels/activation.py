@@ -12,7 +12,14 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import as_rows, row_launch, scale_group, store_fp8_row
+from atom_models.ops.triton_kernels.common import (
+    as_rows,
+    pdl_launch,
+    row_launch,
+    scale_group,
+    store_fp8_row,
+    wait_for_previous_kernel,
+)
 from atom_models.ops.triton_kernels.quant import fp8_outputs
 
 # Columns per program of the plain kernel: enough bytes in flight, small enough to spread short rows.
@@ -30,7 +37,8 @@ def _silu_mul(x_row_ptr, cols, mask, n_cols):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -39,8 +47,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl
 
 @triton.jit
 def _silu_and_mul_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -56,7 +65,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
     block = min(_CHUNK, triton.next_power_of_2(n_cols))
     if rows.shape[0]:
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, block))](
-            rows, out, rows.stride(0), n_cols, n_cols, BLOCK=block, num_warps=4
+            rows, out, rows.stride(0), n_cols, n_cols, BLOCK=block, num_warps=4, **pdl_launch(x.device)
         )
     return out
 
@@ -78,5 +87,6 @@ def silu_and_mul_quant_fp8(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tens
             BLOCK=block,
             GROUP=scale_group(block, group_size),
             num_warps=warps,
+            **pdl_launch(x.device),
         )
     return x_q, scale

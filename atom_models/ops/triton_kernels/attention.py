@@ -39,7 +39,7 @@ from torch import Tensor
 
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
-from atom_models.ops.triton_kernels.common import ticket_counters
+from atom_models.ops.triton_kernels.common import pdl_launch, ticket_counters, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
@@ -464,7 +464,9 @@ def _attention_kernel(
     SPLITS: tl.constexpr,
     KV_SCALES: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
@@ -627,6 +629,7 @@ def run_paged_attention(
         DECODE_ONLY=decode_only,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch(q.device),
     )
     return out
 

@@ -1,10 +1,15 @@
-"""Helpers shared by the kernels: dtype mapping, launch sizes, the fp8 row quantizer, split-arrival counters."""
+"""Helpers shared by the kernels: dtype mapping, launch sizes, programmatic dependent launch, the fp8 row
+quantizer, split-arrival counters."""
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from atom_models.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
@@ -31,6 +36,33 @@ def row_launch(n_cols: int) -> tuple[int, int]:
     """(block, num_warps) for a kernel that holds one whole row in registers: ~8 elements a thread."""
     block = triton.next_power_of_2(n_cols)
     return block, min(16, max(1, block // 256))
+
+
+# Programmatic dependent launch (Hopper on): a kernel's programs are resident and waiting while the one before
+# it finishes, instead of launching after it, which saves most of the 1-3 us gap between two small decode kernels
+# (~290 of them in a Llama-3-8B step). ATOM_PDL=0 turns it off (for A/B timing).
+PDL_ENABLED = os.environ.get("ATOM_PDL", "1") != "0"
+
+
+@functools.cache
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch arguments of a kernel that starts with `wait_for_previous_kernel(USE_PDL)`."""
+    if PDL_ENABLED and device.type == "cuda" and _supports_pdl(device.index or 0):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """A PDL kernel's first statement: wait until the previous kernel has finished and its writes are visible
+    (before this kernel reads or writes anything), then let the next kernel's programs launch and wait too."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}

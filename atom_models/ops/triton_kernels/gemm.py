@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import as_rows, ticket_counters
+from atom_models.ops.triton_kernels.common import as_rows, pdl_launch, ticket_counters, wait_for_previous_kernel
 
 
 @dataclass(frozen=True)
@@ -323,6 +323,7 @@ def _skinny_mm_kernel(
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
 
@@ -340,6 +341,7 @@ def _skinny_mm_kernel(
     a ticket; the slice that arrives last sums the partials in slice order (deterministic) and
     writes the output, so one launch does it all and nothing synchronises with the host.
     """
+    wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -456,6 +458,7 @@ def run_skinny_mm(
             SPLIT=split_k > 1,
             USE_DOT=config.dot,
             **constants,
+            **pdl_launch(x.device),
         )
     return out.reshape(*x_q.shape[:-1], n)
 

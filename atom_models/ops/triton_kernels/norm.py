@@ -13,7 +13,15 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import as_rows, row_launch, scale_group, store_fp8_row, tl_dtype
+from atom_models.ops.triton_kernels.common import (
+    as_rows,
+    pdl_launch,
+    row_launch,
+    scale_group,
+    store_fp8_row,
+    tl_dtype,
+    wait_for_previous_kernel,
+)
 from atom_models.ops.triton_kernels.quant import fp8_outputs
 
 
@@ -37,7 +45,9 @@ def _rms_norm_kernel(
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -91,6 +101,7 @@ def _rms_norm(
             BLOCK=block,
             GROUP=scale_group(block, group_size),
             num_warps=warps,
+            **pdl_launch(x.device),
         )
     return out, scale, summed
 

@@ -9,7 +9,14 @@ from torch import Tensor
 
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE, num_scale_groups
-from atom_models.ops.triton_kernels.common import as_rows, row_launch, scale_group, store_fp8_row
+from atom_models.ops.triton_kernels.common import (
+    as_rows,
+    pdl_launch,
+    row_launch,
+    scale_group,
+    store_fp8_row,
+    wait_for_previous_kernel,
+)
 
 
 def fp8_outputs(x: Tensor, n_cols: int, group_size: int = 0) -> tuple[Tensor, Tensor]:
@@ -22,7 +29,10 @@ def fp8_outputs(x: Tensor, n_cols: int, group_size: int = 0) -> tuple[Tensor, Te
 
 
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def _quant_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -46,5 +56,6 @@ def quant_fp8_per_token(x: Tensor, group_size: int = 0) -> tuple[Tensor, Tensor]
             BLOCK=block,
             GROUP=scale_group(block, group_size),
             num_warps=warps,
+            **pdl_launch(x.device),
         )
     return x_q, scale

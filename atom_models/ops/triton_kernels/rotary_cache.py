@@ -21,7 +21,7 @@ from torch import Tensor
 
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
-from atom_models.ops.triton_kernels.common import FP8_MAX_C, tl_dtype
+from atom_models.ops.triton_kernels.common import FP8_MAX_C, pdl_launch, tl_dtype, wait_for_previous_kernel
 
 
 @triton.jit
@@ -117,7 +117,9 @@ def _rope_cache_kernel(
     WRITE_CACHE: tl.constexpr,
     FP8_CACHE: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, HALF_P)
     col_mask = cols < HALF
@@ -234,6 +236,7 @@ def _rope_cache(
             FP8_CACHE=fp8_cache,
             HAS_SCALES=has_scales,
             num_warps=4,
+            **pdl_launch(q.device),
         )
     return q_out, k_rot
 
