@@ -35,7 +35,10 @@ def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=H100, options=options)
     assert "cubin" in compiled.asm
-    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == constexprs.get("USE_PDL", False)
+    ptx = compiled.asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == constexprs.get("USE_PDL", False)
+    if kernel is gemm._skinny_mm_kernel:  # fetches its first weight tiles before it waits
+        assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 
 
 for block, group in [(1024, 1024), (1024, 128), (4096, 128), (64, 64)]:
