@@ -61,7 +61,7 @@ for grouped in (False, True):
 
 bf16_gemm = {"x_ptr": BF16, "w_ptr": BF16, "out_ptr": BF16, "ticket_ptr": "*i32"}
 unscaled = {"SCALE_N": 1, "SCALE_K": 128, "SCALED": False, "SCALE_ALONG_K": False, "X_GROUPED": False}
-for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (False, 1, 8, 256)]:
+for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (True, 16, 64, 32), (False, 1, 8, 256)]:
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": True, "USE_DOT": dot}
     build(gemm._skinny_mm_kernel, bf16_gemm, {**unscaled, "HAS_BIAS": True, **tiles, "NUM_STAGES": 4}, num_warps=4)
 for fp8_cache in (False, True):

@@ -29,7 +29,6 @@ from torch.fx import GraphModule
 from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.rotary import rotary_embedding_reference
-from atom_models.ops.triton_kernels.common import PDL_ENABLED
 
 FORMATS = {"cpu": "aoti", "cuda": "inductor"}
 SUFFIXES = {"aoti": ".pt2", "inductor": ".bin"}
@@ -121,9 +120,7 @@ def compile_piece(piece: GraphModule, path: Path, device: torch.device) -> str:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
         else:
             fakes = [n.meta["val"] for n in piece.graph.nodes if n.op == "placeholder"]
-            # Inductor's kernels (norms, SiLU·mul) join ours in programmatic dependent launch chains.
-            with torch._inductor.config.patch({"triton.enable_pdl": PDL_ENABLED}):
-                compiled = torch._inductor.standalone_compile(piece, fakes, dynamic_shapes="from_graph")
+            compiled = torch._inductor.standalone_compile(piece, fakes, dynamic_shapes="from_graph")
             compiled.save(path=str(path), format="binary")
     return fmt
 

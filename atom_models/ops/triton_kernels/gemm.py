@@ -364,9 +364,9 @@ def _skinny_mm_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     if USE_PDL:
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+        LINES: tl.constexpr = (BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024  # 128 B each
         rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-        lines = tl.arange(0, BLOCK_K // LINE)[None, :] * LINE
+        lines = tl.arange(0, LINES)[None, :] * (BLOCK_K // LINES)
         for t in range(prefetch_tiles):
             prefetch_to_l2(rows + tl.minimum(k_start + t * BLOCK_K + lines, K - 1))
     wait_for_previous_kernel(USE_PDL)
