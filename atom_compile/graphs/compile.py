@@ -29,7 +29,6 @@ from torch.fx import GraphModule
 from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.rotary import rotary_embedding_reference
-from atom_models.ops.triton_kernels.common import PDL_ENABLED
 
 FORMATS = {"cpu": "aoti", "cuda": "inductor"}
 SUFFIXES = {"aoti": ".pt2", "inductor": ".bin"}
@@ -109,13 +108,6 @@ def with_aten_linears(piece: GraphModule) -> GraphModule:
     return GraphModule(piece, graph)
 
 
-def use_inductor_pdl() -> None:
-    """Inductor's CUDA kernels (norms, SiLU·mul) with programmatic dependent launch, as ours, so the decode chain
-    has no link that waits for a full launch. Set for the whole process, alike where pieces compile and where
-    they load: their Triton kernels compile at first call (warm-up, serving), with options that must match."""
-    torch._inductor.config.triton.enable_pdl = PDL_ENABLED
-
-
 def compile_piece(piece: GraphModule, path: Path, device: torch.device) -> str:
     """Inductor-compile `piece` for dynamic sizes into `path`; returns the format used."""
     register_inductor_decompositions()
@@ -128,7 +120,6 @@ def compile_piece(piece: GraphModule, path: Path, device: torch.device) -> str:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
         else:
             fakes = [n.meta["val"] for n in piece.graph.nodes if n.op == "placeholder"]
-            use_inductor_pdl()
             compiled = torch._inductor.standalone_compile(piece, fakes, dynamic_shapes="from_graph")
             compiled.save(path=str(path), format="binary")
     return fmt
@@ -139,7 +130,6 @@ def load_compiled_piece(path: Path, fmt: str, returns_tuple: bool) -> Callable:
     if fmt == "aoti":
         runner = torch._inductor.aoti_load_package(str(path))
     else:
-        use_inductor_pdl()
         runner = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
     if returns_tuple:
         return lambda *args: tuple(runner(*args))
