@@ -40,12 +40,13 @@ print(dummy_artifact('qwen3-0.6b', Path('/tmp/iso'), 'cuda'))" | tail -1)
 print(dummy_artifact('${SERVING_PRESET:-llama-3-8b}', Path('/tmp/serving'), 'cuda'))" | tail -1)
       python3 -m atom_runtime serve "$art" --port 8011 --served-model-name m --disable-uvicorn-access-log \
         --uvicorn-log-level warning > "$OUT/serve.log" 2>&1 & server=$!
-      python3 -c "import httpx, time
-for _ in range(600):
-    try:
-        if httpx.get('http://127.0.0.1:8011/health').status_code == 200: break
-    except httpx.HTTPError: pass
-    time.sleep(0.5)"
+      for _ in $(seq 600); do  # until healthy, or the server has exited (then the benchmark's errors say so)
+        [ "$(awk '{print $3}' /proc/$server/stat 2>/dev/null)" = Z ] || ! kill -0 $server 2>/dev/null \
+          && { echo "the server exited; see serve.log"; break; }
+        python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:8011/health').status_code != 200)" \
+          2>/dev/null && break
+        sleep 0.5
+      done
       python3 benchmarks/benchmark_serving.py --backend openai --base-url http://127.0.0.1:8011 --model m \
         --tokenizer "$art" --dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 500 \
         --ignore-eos --save-result --result-dir "$OUT" --result-filename serving.json 2>&1 | tail -25
