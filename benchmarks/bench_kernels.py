@@ -204,7 +204,7 @@ def sweep_configs(base: attention.AttentionConfig) -> list[attention.AttentionCo
             replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
             for m, n, w, s in [(128, 32, 4, 4), (128, 64, 8, 2), (64, 32, 4, 4)]
         ]
-        + [replace(base, decode_block_n=n, decode_waves=waves) for n, waves in [(32, 8), (64, 8), (128, 4)]]
+        + [replace(base, decode_block_n=n, decode_waves=waves) for n, waves in [(32, 4), (64, 4), (128, 8)]]
     )
 
 
