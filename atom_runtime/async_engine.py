@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 TOKENIZE_INLINE_MAX_CHARS = 2000
 
 
+_CHANGED = object()  # queued for a request whose output has changed since its caller last took it
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -68,9 +71,10 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[_Completion]
-    queue: asyncio.Queue
+    queue: asyncio.Queue  # _CHANGED, or an error to raise
     metrics: RequestMetrics
     stream: bool = True
+    notified: bool = False  # a _CHANGED is queued that the caller has not taken yet
 
     @property
     def finished(self) -> bool:
@@ -185,7 +189,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output after every step that changes it; the last is finished.
 
-        With `stream=False` only the finished output is yielded (no per-step copies of the output).
+        A caller slower than the steps gets the newest output when it asks (the steps in between merged into
+        it), and outputs are built only when asked for: a busy server does no work for outputs it would skip.
+        With `stream=False` only the finished output is yielded.
 
         Closing the iterator early (a client that went away) aborts the request and frees its blocks.
         """
@@ -227,8 +233,10 @@ class AsyncEngine:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
-                if item.finished:
+                state.notified = False
+                output = state.output()
+                yield output
+                if output.finished:
                     return
         finally:
             if not state.finished:
@@ -297,8 +305,9 @@ class AsyncEngine:
             if done:
                 state.metrics.finished_time = now
                 self._record_finished(state)
-            if done or state.stream:
-                state.queue.put_nowait(state.output())
+            if (done or state.stream) and not state.notified:
+                state.notified = True
+                state.queue.put_nowait(_CHANGED)
 
     def _add_logprobs(
         self, completion: _Completion, token: int, sampled: SampledTokens, row: int, params: SamplingParams

@@ -159,3 +159,22 @@ def test_long_prompts_tokenize_off_the_event_loop_to_the_same_ids(llm):
     tokenizer = llm.tokenizer
     expected = [tokenizer.encode(t, add_special_tokens=special) for t in (short, long) for special in (True, False)]
     assert uvloop.run(both()) == expected
+
+
+def test_a_slow_stream_gets_the_newest_output_not_a_backlog(llm):
+    """Steps that pass while the caller is busy merge into the next output it takes; the tokens are the same."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    async def slow_reader() -> list:
+        outputs = []
+        async for output in llm.engine.generate(None, params, prompt_token_ids=[5, 6, 7]):
+            outputs.append(output)
+            await asyncio.sleep(0.2)  # several steps run meanwhile
+        return outputs
+
+    outputs = uvloop.run(slow_reader())
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    assert outputs[-1].finished and lengths[-1] == 20
+    assert len(outputs) < 20 and max(b - a for a, b in zip([0, *lengths], lengths, strict=False)) > 1
+    expected = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)[0].outputs[0].token_ids
+    assert outputs[-1].outputs[0].token_ids == expected
