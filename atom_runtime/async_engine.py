@@ -98,6 +98,10 @@ class AsyncEngine:
         self.limits = core.limits
         self.tokenizer = tokenizer
         self.backend_tokenizer = tokenizer.backend_tokenizer
+        # `tokenize` calls the Rust tokenizer directly: without the truncation or padding a tokenizer.json may
+        # ship with (transformers' own calls switch them off each time).
+        self.backend_tokenizer.no_truncation()
+        self.backend_tokenizer.no_padding()
         self.model_name = model_name
         self.stats = EngineStats()  # as of the core's last message
         self.metrics = Metrics(lambda: self.stats, model_name)
@@ -156,8 +160,10 @@ class AsyncEngine:
                     future.set_exception(error)
                 else:
                     future.set_result(value)
-        elif kind == "dead":
-            error = EngineDeadError(f"the engine stopped after an error: {message[1]}")
+        elif kind in ("dead", "stopped"):
+            error = EngineDeadError(
+                f"the engine stopped after an error: {message[1]}" if kind == "dead" else "the engine has shut down"
+            )
             for state in list(self._states.values()):
                 state.queue.put_nowait(error)
             for future in self._calls.values():
@@ -174,6 +180,12 @@ class AsyncEngine:
         if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
             return encode()
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, encode)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+        if not self._core.is_alive():
+            raise EngineDeadError("the engine has shut down")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
@@ -195,8 +207,7 @@ class AsyncEngine:
 
         Closing the iterator early (a client that went away) aborts the request and frees its blocks.
         """
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+        self._check_alive()
         params = params or SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -227,8 +238,9 @@ class AsyncEngine:
             stream,
         )
         self._states[request_id] = state
-        self._core.send(("add", request_id, state.prompt_token_ids, params))
         try:
+            self._check_alive()  # again: the core may have died while the prompt was tokenized
+            self._core.send(("add", request_id, state.prompt_token_ids, params))
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
@@ -252,8 +264,7 @@ class AsyncEngine:
         Where the core has a process of its own, `fn` and its result must pickle (a module-level function,
         or `operator.methodcaller`).
         """
-        if not self.is_healthy:
-            raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+        self._check_alive()
         self._loop = asyncio.get_running_loop()
         call_id = next(self._call_ids)
         future = self._loop.create_future()

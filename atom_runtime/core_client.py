@@ -20,6 +20,7 @@ import dataclasses
 import gc
 import logging
 import multiprocessing
+import pickle
 import queue
 import signal
 import sys
@@ -177,11 +178,13 @@ class CoreProcess:
         self.model_dir: str = message[2]
 
     def _next(self) -> tuple:
-        """The next message; ("dead", ...) if the process has exited without a word."""
+        """The next message; ("dead", ...) if the process has exited without a word or sent one unreadable."""
         while True:
             try:
                 return self._messages.get(timeout=1.0)
-            except queue.Empty:
+            except Exception as error:  # noqa: BLE001  (an unreadable message would leave every request waiting)
+                if not isinstance(error, queue.Empty):
+                    return ("dead", RuntimeError(f"a message from the engine process could not be read: {error!r}"))
                 if not self._process.is_alive():
                     try:
                         return self._messages.get(timeout=0.1)  # written just before it exited
@@ -201,6 +204,8 @@ class CoreProcess:
                 return
 
     def send(self, command: tuple) -> None:
+        if command[0] == "call":  # the queue pickles on its own thread, where a failure would go unreported
+            pickle.dumps(command)
         self._commands.put(command)
 
     def is_alive(self) -> bool:
@@ -213,6 +218,8 @@ class CoreProcess:
             if self._process.is_alive():
                 self._process.terminate()
                 self._process.join(timeout=10)
+        if not self._process.is_alive():
+            self._commands.cancel_join_thread()  # commands it never read must not hold this process at exit
         if self._reader is not None:
             self._reader.join(timeout=5)
 
@@ -226,8 +233,9 @@ class _ParentWatch:
 
     CHECK_EVERY_S = 1.0
 
-    def __init__(self, commands: Any):
+    def __init__(self, commands: Any, messages: Any):
         self._commands = commands
+        self._messages = messages
         self._parent = multiprocessing.parent_process()
         self._checked = time.monotonic()
 
@@ -242,6 +250,8 @@ class _ParentWatch:
         while True:
             if self._parent_gone():
                 logger.warning("the server process has gone; stopping the engine")
+                # Messages nobody will read fill the pipe; waiting to flush them would keep this process alive.
+                self._messages.cancel_join_thread()
                 return ("stop",)
             try:
                 return self._commands.get(block=block, timeout=self.CHECK_EVERY_S if block else None)
@@ -258,11 +268,28 @@ def _core_process_main(engine_kwargs: dict, log_level: int, commands: Any, messa
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     from atom_runtime.loading import create_core  # here: loading builds engines, which use this module
 
+    def post(message: tuple) -> None:
+        messages.put(message if message[0] in ("step", "stats") else _picklable(message))
+
     try:
         core, model_dir = create_core(**engine_kwargs)
     except BaseException as error:  # noqa: BLE001  (raised again in the parent)
-        messages.put(("dead", error))
+        post(("dead", error))
         return
     EngineProcessSettings.engine_started()
-    messages.put(("ready", core.limits, model_dir))
-    serve_core(core, _ParentWatch(commands), messages.put)
+    post(("ready", core.limits, model_dir))
+    serve_core(core, _ParentWatch(commands, messages), post)
+
+
+def _picklable(message: tuple) -> tuple:
+    """`message`, or, if it would not survive the trip to the parent (an exception that cannot be rebuilt, a
+    result that cannot be pickled), the same message with a RuntimeError that says what it held."""
+    try:
+        pickle.loads(pickle.dumps(message))
+        return message
+    except Exception as problem:  # noqa: BLE001
+        if message[0] == "called":
+            _, call_id, error, _ = message
+            why = f"{type(error).__name__}: {error}" if error is not None else f"its result cannot be sent: {problem!r}"
+            return ("called", call_id, RuntimeError(why), None)
+        return tuple(RuntimeError(f"{type(x).__name__}: {x}") if isinstance(x, BaseException) else x for x in message)

@@ -51,8 +51,9 @@ async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tok
         "ignore_eos": True,
         "return_token_ids": True,  # a chunk for every token, even one whose text is held back
     }
-    gaps, last, started = [], None, time.perf_counter()
+    gaps, last, first, started = [], None, float("nan"), time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 now = time.perf_counter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
+import shutil
 import sys
 import threading
 import time
@@ -178,3 +180,18 @@ def test_a_slow_stream_gets_the_newest_output_not_a_backlog(llm):
     assert len(outputs) < 20 and max(b - a for a, b in zip([0, *lengths], lengths, strict=False)) > 1
     expected = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)[0].outputs[0].token_ids
     assert outputs[-1].outputs[0].token_ids == expected
+
+
+def test_tokenize_ignores_a_truncation_the_tokenizer_file_ships_with(tiny_llama, tmp_path):
+    model = tmp_path / "truncating"
+    shutil.copytree(tiny_llama, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    llm = LLM(model, device="cpu", block_size=4)
+    try:
+        text = "a fairly long prompt of many bytes"
+        assert uvloop.run(llm.engine.tokenize(text)) == llm.tokenizer.encode(text)
+        assert len(llm.tokenizer.encode(text)) > 8
+    finally:
+        llm.shutdown()

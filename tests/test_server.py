@@ -12,6 +12,7 @@ import asyncio
 import gzip
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from atom_runtime.config import EngineConfig
+from atom_runtime.core_client import _picklable
 from atom_runtime.loading import create_engine
 from atom_runtime.server.api_server import build_app
 
@@ -604,6 +606,8 @@ def test_engine_process_exit_is_reported(tiny_llama):
     """The core's process dies: /health and new requests answer 503, a waiting request fails, nothing hangs."""
     engine = create_engine(tiny_llama, device="cpu", engine_process=True, config=EngineConfig(block_size=4))
     try:
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):  # refused here, not lost on the way
+            asyncio.run(engine.call_in_core(lambda core: core.limits))
         with TestClient(build_app(engine, MODEL)) as test_client:
             assert test_client.get("/health").status_code == 200
             engine._core._process.kill()
@@ -620,3 +624,18 @@ def test_engine_process_exit_is_reported(tiny_llama):
 def test_engine_process_startup_error_is_raised_here(tiny_llama):
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         create_engine(tiny_llama, device="cpu", engine_process=True, config=EngineConfig(max_model_len=10**7))
+
+
+class _NeedsTwoArguments(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+def test_core_messages_that_would_not_unpickle_are_replaced():
+    """An exception that cannot be rebuilt in the server would kill its reader thread and leave requests waiting."""
+    dead = _picklable(("dead", _NeedsTwoArguments(1, 2)))
+    assert isinstance(dead[1], RuntimeError) and "_NeedsTwoArguments: 1 and 2" in str(dead[1])
+    called = _picklable(("called", 7, None, lambda: None))
+    assert called[:2] == ("called", 7) and isinstance(called[2], RuntimeError) and called[3] is None
+    fine = ("rejected", "r-1", ValueError("no"))
+    assert _picklable(fine) is fine
