@@ -22,6 +22,11 @@ def block_hash(parent: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV-cache blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
@@ -48,7 +53,7 @@ class BlockManager:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def _take_free_block(self) -> int:
         if self.free_blocks:

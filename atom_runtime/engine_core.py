@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atom_runtime.block_manager import BlockManager
+from atom_runtime.block_manager import BlockManager, blocks_for
 from atom_runtime.config import EngineConfig
 from atom_runtime.model_runner import ModelRunner
 from atom_runtime.sampler import DeviceSample, SampledTokens
@@ -67,10 +67,11 @@ class EngineLimits:
         """Refuse what can never run: an empty prompt, unknown tokens, too long for the context or the whole cache."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        # min/max in C: the core checks every request again, between its steps.
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            bad = next(t for t in prompt_token_ids if not 0 <= t < self.vocab_size)
             raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab_size - 1})", "prompt"
+                f"token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})", "prompt"
             )
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens >= self.max_model_len:
@@ -86,7 +87,7 @@ class EngineLimits:
                 "max_tokens",
             )
         total = num_prompt_tokens + (params.max_tokens or self.max_model_len - num_prompt_tokens)
-        needed = -(-total // self.block_size)
+        needed = blocks_for(total, self.block_size)
         if needed > self.num_blocks:
             raise InvalidRequestError(
                 f"this request needs {needed} KV-cache blocks, but the whole cache has "
