@@ -272,12 +272,12 @@ def _core_process_main(engine_kwargs: dict, log_level: int, commands: Any, messa
         messages.put(message if message[0] in ("step", "stats") else _picklable(message))
 
     try:
-        core, model_dir = create_core(**engine_kwargs)
+        core, _ = create_core(**engine_kwargs)
     except BaseException as error:  # noqa: BLE001  (raised again in the parent)
         post(("dead", error))
         return
     EngineProcessSettings.engine_started()
-    post(("ready", core.limits, model_dir))
+    post(("ready", core.limits, core.runner.model.model_dir))
     serve_core(core, _ParentWatch(commands, messages), post)
 
 

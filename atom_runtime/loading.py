@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from atom_compile import is_artifact, load_artifact
 from atom_models import load_config, resolve_dtype
@@ -85,8 +85,8 @@ def create_core(
     load_dummy: bool = False,
     rebuild: bool = False,
     config: EngineConfig | None = None,
-) -> tuple[EngineCore, str]:
-    """The engine core over an artifact or HF model directory, and the directory its tokenizer is in."""
+) -> tuple[EngineCore, PreTrainedTokenizerBase]:
+    """The engine core over an artifact or HF model directory, and the model's tokenizer."""
     config = config or EngineConfig()
     if is_artifact(model):
         _refuse_overrides(model, dtype=dtype, device=device, quantization=quantization, load_dummy=load_dummy)
@@ -103,7 +103,7 @@ def create_core(
     tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
     torch.manual_seed(config.seed)
     runner = ModelRunner(loaded, config, Sampler())
-    return EngineCore(runner, config, eos_token_ids(loaded.model_dir, loaded.config, tokenizer)), loaded.model_dir
+    return EngineCore(runner, config, eos_token_ids(loaded.model_dir, loaded.config, tokenizer)), tokenizer
 
 
 def create_engine(
@@ -121,9 +121,8 @@ def create_engine(
     """
     if engine_process:
         core = CoreProcess(dict(model=model, **core_args))
-        model_dir = core.model_dir
+        tokenizer = AutoTokenizer.from_pretrained(core.model_dir)
     else:
-        engine_core, model_dir = create_core(model, **core_args)
+        engine_core, tokenizer = create_core(model, **core_args)
         core = CoreThread(engine_core)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return AsyncEngine(core, tokenizer, served_model_name or Path(model).name)
