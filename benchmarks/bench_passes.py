@@ -4,9 +4,10 @@
     python benchmarks/bench_passes.py --preset llama-3-8b --quantization fp8
 
 Each variant is exported with `--passes=-NAME` (the default pipeline minus one pass) next to
-the full pipeline, and timed as in `bench_decode.py` (engine step = generate N+1 tokens minus
-generate 1, over N). Passes that do not fire on the model (e.g. the quant fusions on a bf16
-model) are reported as such instead of being timed.
+the full pipeline, and timed as in `bench_decode.py`: the engine's decode step once the whole
+batch decodes (`timed_decode`) and the replay of its CUDA graph alone (`graph_step_ms`). Passes
+that do not fire on the model (e.g. the quant fusions on a bf16 model) are reported as such
+instead of being timed.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ from pathlib import Path
 
 import torch
 from bench_common import device_name, dummy_artifact, print_table, write_json
-from bench_decode import timed_generate
+from bench_decode import graph_step_ms, timed_decode
 
 from atom_compile.passes import DEFAULT_PIPELINE
 from atom_runtime import LLM
 
 
-def decode_ms(artifact: Path, batch_sizes: list[int], context: int, steps: int) -> dict[int, float]:
+def decode_ms(artifact: Path, batch_sizes: list[int], context: int, steps: int) -> dict[str, float]:
+    """Engine and graph ms a decode step at each batch size, as `{"b1_ms": ..., "b1_graph_ms": ...}`."""
     llm = LLM(
         artifact,
         max_num_seqs=max(batch_sizes),
-        max_model_len=context + steps + 16,
+        max_model_len=context + 2 * steps + 64,
         enable_prefix_caching=False,
         cudagraph_capture_sizes=batch_sizes,
     )
@@ -37,10 +39,10 @@ def decode_ms(artifact: Path, batch_sizes: list[int], context: int, steps: int) 
     result = {}
     for batch in batch_sizes:
         prompts = torch.randint(0, vocab, (batch, context), generator=generator).tolist()
-        timed_generate(llm, prompts, 4)
-        full, _ = timed_generate(llm, prompts, steps + 1)
-        prefill, _ = timed_generate(llm, prompts, 1)
-        result[batch] = (full - prefill) / steps * 1e3
+        timed_decode(llm, prompts, 8)  # warm-up
+        seconds, _ = timed_decode(llm, prompts, steps)
+        result[f"b{batch}_ms"] = seconds * 1e3
+        result[f"b{batch}_graph_ms"] = graph_step_ms(llm, batch, context + steps)
     llm.shutdown()
     return result
 
@@ -67,15 +69,19 @@ def main() -> None:
                 rows.append(row)
                 continue
             times = decode_ms(artifact, args.batch_sizes, args.context, args.steps)
-            row |= {f"b{b}_ms": t for b, t in times.items()}
+            row |= times
             if baseline is None:
                 baseline = {"fired": fired, "times": times}
             else:
-                row |= {f"b{b}_vs_all": t / baseline["times"][b] for b, t in times.items()}
+                row |= {f"b{b}_vs_all": times[f"b{b}_ms"] / baseline["times"][f"b{b}_ms"] for b in args.batch_sizes}
             rows.append(row)
     columns = [("variant", "variant", "")]
     for b in args.batch_sizes:
-        columns += [(f"b{b}_ms", f"batch {b} ms", ".3f"), (f"b{b}_vs_all", f"b{b} / all", ".2f")]
+        columns += [
+            (f"b{b}_ms", f"batch {b} ms", ".3f"),
+            (f"b{b}_graph_ms", f"b{b} graph ms", ".3f"),
+            (f"b{b}_vs_all", f"b{b} / all", ".2f"),
+        ]
     columns.append(("note", "note", ""))
     print_table(f"passes A/B, {args.preset}, context {args.context}, {device_name()}", rows, columns)
     write_json(args.out, {"preset": args.preset, "context": args.context, "rows": rows})

@@ -17,9 +17,9 @@ BF16, FP8, I32, I64 = "*bf16", "*fp8e4nv", "*i32", "*i64"
 FLOATS = {"eps", "qk_scale"}  # the kernels' float arguments; every other non-pointer is an int
 
 
-def argument_type(param, pointers: dict[str, str]) -> str:
-    """Pointers as given (else fp32), constexprs as declared, FLOATS fp32, every other argument i32."""
-    if param.is_constexpr:
+def argument_type(param, pointers: dict[str, str], constexprs: dict) -> str:
+    """Pointers as given (else fp32), constexprs as declared or given (None), FLOATS fp32, others i32."""
+    if param.is_constexpr or param.name in constexprs:
         return "constexpr"
     if param.name.endswith("_ptr"):
         return pointers.get(param.name, "*fp32")
@@ -28,7 +28,7 @@ def argument_type(param, pointers: dict[str, str]) -> str:
 
 def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None:
     """Compiles `kernel`; one that takes USE_PDL is built with programmatic dependent launch, as on an H100."""
-    signature = {param.name: argument_type(param, pointers) for param in kernel.params}
+    signature = {param.name: argument_type(param, pointers, constexprs) for param in kernel.params}
     if "USE_PDL" in signature:
         constexprs = {**constexprs, "USE_PDL": True}
         options = {**options, "launch_pdl": True}
@@ -56,14 +56,22 @@ for grouped in (False, True):
     build(gemm._scaled_mm_kernel, fp8_gemm, {**blocks, "X_GROUPED": grouped, **tiles}, num_warps=8)
     for split in (False, True):
         tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "USE_DOT": True, "NUM_STAGES": 4}
-        scales = {**blocks, "SCALED": True, "X_GROUPED": grouped}
+        scales = {**blocks, "SCALED": True, "X_GROUPED": grouped, "PROLOGUE": gemm.NO_PROLOGUE}
         build(gemm._skinny_mm_kernel, fp8_gemm, {**scales, **tiles}, num_warps=4)
 
 bf16_gemm = {"x_ptr": BF16, "w_ptr": BF16, "out_ptr": BF16, "ticket_ptr": "*i32"}
 unscaled = {"SCALE_N": 1, "SCALE_K": 128, "SCALED": False, "SCALE_ALONG_K": False, "X_GROUPED": False}
 for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (True, 16, 64, 32), (False, 1, 8, 256)]:
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": True, "USE_DOT": dot}
-    build(gemm._skinny_mm_kernel, bf16_gemm, {**unscaled, "HAS_BIAS": True, **tiles, "NUM_STAGES": 4}, num_warps=4)
+    constexprs = {**unscaled, "HAS_BIAS": True, **tiles, "NUM_STAGES": 4}
+    build(gemm._skinny_mm_kernel, bf16_gemm, {**constexprs, "PROLOGUE": gemm.NO_PROLOGUE}, num_warps=4)
+    build(gemm._skinny_mm_kernel, bf16_gemm, {**constexprs, "PROLOGUE": gemm.SILU_MUL}, num_warps=4)
+    norm_pointers = {**bf16_gemm, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}
+    for residual in (True, False):  # the norm's prologue runs unsplit
+        norm_constexprs = {**constexprs, "SPLIT": False, "PROLOGUE": gemm.RMS_NORM}
+        if not residual:
+            norm_constexprs |= {"res_ptr": None, "sum_ptr": None}
+        build(gemm._skinny_mm_kernel, norm_pointers, norm_constexprs, num_warps=4)
 for fp8_cache in (False, True):
     cache = FP8 if fp8_cache else BF16
     pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}

@@ -98,6 +98,32 @@ def test_quant_fusions_on_fp8_model(tiny_llama):
     assert_same_outputs(before, run(model, t), rtol=1e-5)
 
 
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_linear_fusions(model, request):
+    """The norms in front of qkv and gate_up and the SiLU·mul in front of down go into those projections."""
+    model, t = traced(request.getfixturevalue(model))
+    layers = model.config.num_hidden_layers
+    before_ops, before = ops(t.graph_module), run(model, t)
+    assert apply(t, "rms_norm_linear", "silu_mul_linear") == {"rms_norm_linear": 2 * layers, "silu_mul_linear": layers}
+    after_ops = ops(t.graph_module)
+    assert after_ops["atom.rms_norm_linear.default"] == 1  # the first layer's input norm has no residual
+    assert after_ops["atom.fused_add_rms_norm_linear.default"] == 2 * layers - 1
+    assert after_ops["atom.silu_and_mul_linear.default"] == layers
+    assert after_ops["atom.silu_and_mul.default"] == 0
+    assert after_ops["atom.linear.default"] == before_ops["atom.linear.default"] - 3 * layers  # o_proj, lm_head stay
+    # the final norm feeds the LM head through the logits gather: left alone; Qwen3's per-head QK norms too
+    assert after_ops["atom.fused_add_rms_norm.default"] == 1
+    assert after_ops["atom.rms_norm.default"] == before_ops["atom.rms_norm.default"] - 1
+    # the references compose the unfused ops exactly; the kernels are held to tolerance in their own tests
+    assert_same_outputs(before, run(model, t))
+
+
+def test_linear_fusions_leave_fp8_projections_to_the_quant_fusions(tiny_llama):
+    _, t = traced(tiny_llama, quantization="fp8")
+    matches = apply(t, "rms_norm_quant", "silu_mul_quant", "rms_norm_linear", "silu_mul_linear")
+    assert matches["rms_norm_linear"] == matches["silu_mul_linear"] == 0
+
+
 def test_quant_passes_do_not_match_unquantized_model(tiny_llama):
     _, t = traced(tiny_llama)
     assert apply(t, "rms_norm_quant", "silu_mul_quant") == {"rms_norm_quant": 0, "silu_mul_quant": 0}
@@ -135,8 +161,9 @@ def test_cleanup_keeps_cache_writes_without_users(tiny_llama):
 
 
 def test_pipeline_edits():
-    assert resolve_pipeline(None) == ["rms_norm_quant", "silu_mul_quant", "qk_norm_rope_cache", "rope_cache", "cleanup"]
-    assert resolve_pipeline("-rope_cache,-cleanup") == ["rms_norm_quant", "silu_mul_quant", "qk_norm_rope_cache"]
+    default = ["rms_norm_quant", "silu_mul_quant", "rms_norm_linear", "silu_mul_linear", "qk_norm_rope_cache"]
+    assert resolve_pipeline(None) == [*default, "rope_cache", "cleanup"]
+    assert resolve_pipeline("-rope_cache,-cleanup") == default
     assert resolve_pipeline(["rope_cache", "cleanup"]) == ["rope_cache", "cleanup"]
     with pytest.raises(KeyError, match="unknown pass 'nope'"):
         resolve_pipeline("+nope")

@@ -23,7 +23,12 @@ from atom_models.ops.attention import (
     reshape_and_cache_reference,
     rope_and_cache_reference,
 )
-from atom_models.ops.linear import linear_reference
+from atom_models.ops.linear import (
+    fused_add_rms_norm_linear_reference,
+    linear_reference,
+    rms_norm_linear_reference,
+    silu_and_mul_linear_reference,
+)
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.quant import (
     FP8_DTYPE,
@@ -188,6 +193,49 @@ def test_skinny_linear(m, config, bias):
     assert not common.ticket_counters(x.device, 1).any()  # split-K merges reset their tickets
 
 
+PROLOGUES = ["rms_norm", "add_rms_norm", "silu_mul"]
+
+
+def fused_linear_case(prologue: str, m: int, n: int, k: int, dtype: torch.dtype = DTYPE):
+    """Inputs of a fused linear, the reference outputs, and the skinny kernel's prologue (with its sum buffer)."""
+    w, b, g = randn(n, k, dtype=dtype, scale=0.05), randn(n, dtype=dtype), randn(k, dtype=dtype)
+    if prologue == "silu_mul":
+        x = randn(m, 2 * k, dtype=dtype, scale=2.0)
+        return (x, w, b), (silu_and_mul_linear_reference(x, w, b),), gemm.SiluMulPrologue()
+    x, residual = randn(m, k, dtype=dtype, scale=3.0), randn(m, k, dtype=dtype)
+    if prologue == "rms_norm":
+        return (x, g, 1e-6, w, b), (rms_norm_linear_reference(x, g, 1e-6, w, b),), gemm.RMSNormPrologue(g, 1e-6)
+    summed = torch.full_like(x, float("nan"))
+    reference = fused_add_rms_norm_linear_reference(x, residual, g, 1e-6, w, b)
+    return (x, residual, g, 1e-6, w, b), reference, gemm.RMSNormPrologue(g, 1e-6, residual, summed)
+
+
+@pytest.mark.parametrize("m,config", LINEAR_CONFIGS)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_skinny_linear_prologue(m, config, prologue):
+    """The skinny GEMM with the op in front of a projection fused in (split-K configs: RMSNorm runs unsplit)."""
+    n, k = 72, 200
+    args, reference, fused = fused_linear_case(prologue, m, n, k)
+    out = gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], DTYPE, (1, k), config, prologue=fused)
+    assert_close(out, reference[0])
+    if prologue == "add_rms_norm":
+        assert_close(fused.summed, reference[1], tol=1e-6)  # the residual sum rounds as torch's add does
+    assert not common.ticket_counters(DEVICE, 1).any()
+
+
+@pytest.mark.parametrize("m", [1, 2] + ([13, 16, 17, 300] if CUDA else []))
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_fused_linear_dispatch(m, prologue):
+    """The triton fused linears match their references on both sides of the skinny threshold (bf16; on CPU
+    the one-token GEMV, and M = 2 in fp32 checks the fallback to the norm or activation kernel and F.linear)."""
+    dtype = torch.bfloat16 if CUDA or m == 1 else torch.float32
+    args, reference, _ = fused_linear_case(prologue, m, 40, 136, dtype)
+    run = {"rms_norm": gemm.rms_norm_linear, "add_rms_norm": gemm.fused_add_rms_norm_linear}
+    outputs = run.get(prologue, gemm.silu_and_mul_linear)(*args)
+    for out, ref in zip(outputs if prologue == "add_rms_norm" else (outputs,), reference, strict=True):
+        assert_close(out, ref, tol=1e-2)
+
+
 @pytest.mark.parametrize("m", [1, 2] + ([13, 16, 17, 300] if CUDA else []))
 def test_linear_dispatch(m):
     """The triton `linear` matches F.linear on both sides of its skinny-kernel threshold (3-D input, bf16).
@@ -204,6 +252,15 @@ def test_linear_dispatch(m):
 def test_skinny_linear_gpu_shapes(m, n, k):
     x, w = randn(m, k), randn(n, k, scale=0.02)
     assert_close(gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, k)), linear_reference(x, w, None))
+
+
+@gpu_only
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 1024), (1, 6144, 4096), (7, 4096, 4096), (16, 1024, 3072)])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_skinny_linear_prologue_gpu_shapes(m, n, k, prologue):
+    args, reference, fused = fused_linear_case(prologue, m, n, k)
+    out = gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], DTYPE, (1, k), prologue=fused)
+    assert_close(out, reference[0])
 
 
 def fused_qkv(tokens: int, q_heads: int, kv_heads: int, head_dim: int):

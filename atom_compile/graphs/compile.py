@@ -27,6 +27,11 @@ from torch.export import Dim
 from torch.fx import GraphModule
 
 from atom_models.ops.activation import silu_and_mul_reference
+from atom_models.ops.linear import (
+    fused_add_rms_norm_linear_reference,
+    rms_norm_linear_reference,
+    silu_and_mul_linear_reference,
+)
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.rotary import rotary_embedding_reference
 
@@ -40,13 +45,27 @@ def inductor_decompositions() -> dict:
     Inside a compiled piece a custom op is a fallback call Inductor cannot fuse with its
     neighbours; these ops are elementwise or row-wise, so Inductor's own kernels for the
     reference code fuse the residual add, norm, activation and RoPE around the GEMMs.
+    The fused linears decompose only on CPU, where Inductor's own GEMM needs no prologue and
+    an opaque op would be a call back into Python; on CUDA their kernel is the point.
     """
     return {
         torch.ops.atom.rms_norm.default: rms_norm_reference,
         torch.ops.atom.fused_add_rms_norm.default: fused_add_rms_norm_reference,
         torch.ops.atom.silu_and_mul.default: silu_and_mul_reference,
         torch.ops.atom.rotary_embedding.default: rotary_embedding_reference,
+        torch.ops.atom.rms_norm_linear.default: _on_cpu(rms_norm_linear_reference),
+        torch.ops.atom.fused_add_rms_norm_linear.default: _on_cpu(fused_add_rms_norm_linear_reference),
+        torch.ops.atom.silu_and_mul_linear.default: _on_cpu(silu_and_mul_linear_reference),
     }
+
+
+def _on_cpu(reference: Callable) -> Callable:
+    """A decomposition into `reference` for CPU tensors; elsewhere the op stays (NotImplemented declines)."""
+
+    def decompose(x, *args):
+        return reference(x, *args) if x.device.type == "cpu" else NotImplemented
+
+    return decompose
 
 
 def register_inductor_decompositions() -> None:

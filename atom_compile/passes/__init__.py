@@ -1,6 +1,14 @@
 """FX rewrites of the traced model: fusions and cleanup, registered by name (see `registry`)."""
 
-from atom_compile.passes import cleanup, qk_norm_rope_cache, rms_norm_quant, rope_cache, silu_mul_quant  # noqa: F401
+from atom_compile.passes import (  # noqa: F401
+    cleanup,
+    qk_norm_rope_cache,
+    rms_norm_linear,
+    rms_norm_quant,
+    rope_cache,
+    silu_mul_linear,
+    silu_mul_quant,
+)
 from atom_compile.passes.registry import (
     DEFAULT_PIPELINE,
     PassRecord,

@@ -36,9 +36,17 @@ class PassRecord:
 
 _REGISTRY: dict[str, RegisteredPass] = {}
 
-# The built-in order: quant fusions first (they need the plain norm/activation nodes), then the
-# attention-side fusions, then cleanup of whatever the others left behind.
-DEFAULT_PIPELINE = ["rms_norm_quant", "silu_mul_quant", "qk_norm_rope_cache", "rope_cache", "cleanup"]
+# The built-in order: quant fusions first (they need the plain norm/activation nodes), then the fusions into
+# unquantized projections, then the attention-side fusions, then cleanup of whatever the others left behind.
+DEFAULT_PIPELINE = [
+    "rms_norm_quant",
+    "silu_mul_quant",
+    "rms_norm_linear",
+    "silu_mul_linear",
+    "qk_norm_rope_cache",
+    "rope_cache",
+    "cleanup",
+]
 
 
 def register_pass(name: str, *, version: int = 1, description: str = "") -> Callable:

@@ -24,7 +24,9 @@ multiprocessors, 20.6 us against an 11.2 us roofline); `benchmarks/bench_gemm.py
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
+from atom_models.ops.triton_kernels.activation import silu_and_mul
 from atom_models.ops.triton_kernels.common import (
     as_rows,
     pdl_launch,
@@ -40,6 +43,7 @@ from atom_models.ops.triton_kernels.common import (
     ticket_counters,
     wait_for_previous_kernel,
 )
+from atom_models.ops.triton_kernels.norm import fused_add_rms_norm, rms_norm
 
 
 @dataclass(frozen=True)
@@ -176,12 +180,13 @@ def _scale_arguments(x, xs, w_q, ws, bias, out, scale_block: tuple[int, int], co
     xs: the activation scales from `_activation_scales`.
     """
     scale_n, scale_k = scale_block
-    along_k = scale_k < x.shape[1]
+    k = w_q.shape[1]
+    along_k = scale_k < k
     grouped = xs.shape[1] > 1
-    if grouped and (not along_k or xs.shape[1] != triton.cdiv(x.shape[1], scale_k)):
+    if grouped and (not along_k or xs.shape[1] != triton.cdiv(k, scale_k)):
         raise ValueError(
             f"activation scales of {xs.shape[1]} groups fit neither one a token nor the weight's "
-            f"{triton.cdiv(x.shape[1], scale_k)} blocks of {scale_k} columns"
+            f"{triton.cdiv(k, scale_k)} blocks of {scale_k} columns"
         )
     strides = (
         x.stride(0),
@@ -299,6 +304,56 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
 
 
+# What `_skinny_mm_kernel` does to x's tiles before multiplying: the op in front of a decode projection, fused
+# into it, so its output never makes a round trip through memory and a step has one kernel less a layer.
+NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RMSNormPrologue:
+    """x -> rms_norm(x (+ residual), weight, eps) in front of the GEMM; `summed` receives x + residual."""
+
+    kind: ClassVar[int] = RMS_NORM
+    weight: Tensor
+    eps: float
+    residual: Tensor | None = None
+    summed: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SiluMulPrologue:
+    """x = [gate | up] -> silu(gate) * up in front of the GEMM."""
+
+    kind: ClassVar[int] = SILU_MUL
+
+
+@triton.jit
+def _operand_tile(x_ptr, res_ptr, g_ptr, sum_ptr, rows, cols, mask, cols_ok, K, store_sum, PROLOGUE: tl.constexpr):
+    """x's tile at (rows, cols) as the GEMM's operand (fp32 after a prologue), and (RMS_NORM) its squares.
+
+    RMS_NORM multiplies by the norm weight only: the per-token 1/rms is a factor of the whole dot product, so the
+    kernel applies it once at the end, from the squares it accumulates over the loop (one pass over x, summed
+    once after it). The residual sum rounds to x's dtype first, as torch's add does, and is stored (by the
+    programs `store_sum` picks) as the next residual.
+    """
+    x = tl.load(x_ptr + rows + cols, mask=mask, other=0.0)
+    squares = 0.0
+    if PROLOGUE == 2:  # SILU_MUL: the up half starts K columns after the gate
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + rows + cols + K, mask=mask, other=0.0).to(tl.float32)
+        a = gate / (1.0 + tl.exp(-gate)) * up
+    elif PROLOGUE == 1:  # RMS_NORM
+        if res_ptr is not None:
+            x = (x.to(tl.float32) + tl.load(res_ptr + rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + rows + cols, x, mask=mask & store_sum)
+        h = x.to(tl.float32)
+        squares = h * h
+        a = h * tl.load(g_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    else:
+        a = x
+    return a, squares
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_mm_kernel(
     x_ptr,
@@ -309,6 +364,10 @@ def _skinny_mm_kernel(
     out_ptr,
     part_ptr,
     ticket_ptr,
+    res_ptr,
+    g_ptr,
+    sum_ptr,
+    eps,
     M,
     N,
     K,
@@ -333,6 +392,7 @@ def _skinny_mm_kernel(
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PROLOGUE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
@@ -374,20 +434,39 @@ def _skinny_mm_kernel(
     ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_wsn
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K, BLOCK_M] if USE_DOT else [BLOCK_K], dtype=tl.float32)  # RMS_NORM's, summed after
+    store_sum = pid_n == 0  # one program a K slice writes the residual sum
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = offs_k < k_end - k0
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
-            x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
-            part = tl.dot(w, tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0))
+            x_rows, x_cols, x_cols_ok = offs_m[None, :] * stride_xm, (k0 + offs_k)[:, None], k_ok[:, None]
+            x, tile_squares = _operand_tile(
+                x_ptr,
+                res_ptr,
+                g_ptr,
+                sum_ptr,
+                x_rows,
+                x_cols,
+                x_cols_ok & m_ok[None, :],
+                x_cols_ok,
+                K,
+                store_sum,
+                PROLOGUE,
+            )
+            part = tl.dot(w, x.to(w.dtype))
             if SCALE_ALONG_K:  # the K tile lies in one scale block
                 part *= tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)[:, None]
                 if X_GROUPED:  # and in one group of x's scales
                     part *= tl.load(xs_ptr + offs_m * stride_xsm + k0 // SCALE_K, mask=m_ok, other=0.0)[None, :]
         else:  # one token, per-row weight scales
-            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[:, None]
+            x, tile_squares = _operand_tile(
+                x_ptr, res_ptr, g_ptr, sum_ptr, 0, k0 + offs_k, k_ok, k_ok, K, store_sum, PROLOGUE
+            )
+            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)[:, None]
         acc += part
+        if PROLOGUE == 1:
+            squares += tile_squares
         w_ptrs += BLOCK_K
 
     last = True  # without a split, every program stores its own tile
@@ -404,7 +483,13 @@ def _skinny_mm_kernel(
             acc = tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
             for s in range(1, num_splits):
                 acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-    if last:  # the scales not applied yet, then bias
+    if last:  # the norm, the scales not applied yet, then bias
+        if PROLOGUE == 1:  # RMS_NORM (never split: each program sums all of K's squares)
+            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # per token ([BLOCK_M]; a scalar for the GEMV)
+            if USE_DOT:
+                acc *= rstd[None, :]
+            else:
+                acc *= rstd
         if SCALED:
             if not SCALE_ALONG_K:
                 acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
@@ -425,21 +510,36 @@ def run_skinny_mm(
     out_dtype: torch.dtype,
     scale_block: tuple[int, int],
     config: SkinnyConfig | None = None,
+    prologue: RMSNormPrologue | SiluMulPrologue | None = None,
 ) -> Tensor:
     """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
 
-    Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w.
+    Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w, and may take a
+    prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape).
     """
     if (x_scale is None) != (w_scale is None):
         raise ValueError("the skinny GEMM takes scales for both operands (fp8) or for neither")
+    if prologue is not None and x_scale is not None:
+        raise ValueError("the skinny GEMM's prologues take unscaled (bf16/fp16) operands")
     x = as_rows(x_q)
-    (m, k), n = x.shape, w_q.shape[0]
+    m, (n, k) = x.shape[0], w_q.shape
+    if x.shape[1] != (2 * k if isinstance(prologue, SiluMulPrologue) else k):
+        raise ValueError(f"x's {x.shape[1]} columns do not fit the weight's {k}")
     if m > SKINNY_MAX_M:
         raise ValueError(f"the skinny GEMM serves at most {SKINNY_MAX_M} tokens, got {m}")
     scale_k = scale_block[1]
     config = config or skinny_config(m, n, k, scale_k, x.device, w_q.element_size())
     if not config.dot and (m > 1 or scale_k < k):
         raise ValueError(f"the CUDA-core GEMV serves one token with per-row weight scales, got {m} tokens")
+    residual = norm_weight = summed = None
+    if isinstance(prologue, RMSNormPrologue):
+        if config.split_k > 1:  # each program needs the squares of the whole row
+            config = dataclasses.replace(config, split_k=1)
+        x, norm_weight = x.contiguous(), prologue.weight
+        if prologue.residual is not None:
+            residual, summed = as_rows(prologue.residual).contiguous(), as_rows(prologue.summed)
+            if residual.shape != x.shape or summed.shape != x.shape or summed.stride() != x.stride():
+                raise ValueError("the RMSNorm prologue's residual and sum must be contiguous and of x's shape")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     scaled = ws is not None
@@ -467,6 +567,10 @@ def run_skinny_mm(
             out,
             part,
             tickets,
+            residual,
+            norm_weight,
+            summed,
+            prologue.eps if isinstance(prologue, RMSNormPrologue) else 0.0,
             m,
             n,
             k,
@@ -478,6 +582,7 @@ def run_skinny_mm(
             SCALED=scaled,
             SPLIT=split_k > 1,
             USE_DOT=config.dot,
+            PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             **constants,
             **pdl_launch(x.device),
         )
@@ -521,9 +626,43 @@ def scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
 SKINNY_LINEAR_MAX_M = 16
 
 
+def _skinny_linear(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear` and the fused linears below take the skinny kernel for x (else cuBLAS)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        0 < rows <= SKINNY_LINEAR_MAX_M and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
 @register_impl("linear", "triton")
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= SKINNY_LINEAR_MAX_M and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16):
-        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, x.shape[-1]))
+    if _skinny_linear(x, weight):
+        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]))
     return F.linear(x, weight, bias)
+
+
+@register_impl("rms_norm_linear", "triton")
+def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if _skinny_linear(x, weight):
+        prologue = RMSNormPrologue(norm_weight, eps)
+        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=prologue)
+    return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
+
+
+@register_impl("fused_add_rms_norm_linear", "triton")
+def fused_add_rms_norm_linear(
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    if _skinny_linear(x, weight):
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
+        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=prologue), summed
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
+@register_impl("silu_and_mul_linear", "triton")
+def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if _skinny_linear(x, weight):
+        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=SiluMulPrologue())
+    return F.linear(silu_and_mul(x), weight, bias)

@@ -1,0 +1,75 @@
+"""RMSNorm (alone, or with the residual add) followed by a projection → one fused op.
+
+Before:  y = rms_norm(x, g, eps);                      out = linear(y, w, b)
+After:   out = rms_norm_linear(x, g, eps, w, b)
+
+Before:  y, r = fused_add_rms_norm(x, res, g, eps);    out = linear(y, w, b)
+After:   out, r = fused_add_rms_norm_linear(x, res, g, eps, w, b)
+
+At decode sizes the projection's kernel normalises its input tiles itself (Triton backend), so a
+decoder layer's two norms cost no kernel of their own. It fires only where the projection is the
+norm's one user: the packed qkv and gate_up projections. FP8 projections take `rms_norm_quant`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from torch.fx import Graph, Node
+
+from atom_compile.passes.registry import PatternPass, erase, getitem_users, is_call, op, register_pass, replace_outputs
+
+
+@dataclass
+class Match:
+    norm: Node
+    linear: Node
+    norm_outputs: dict[int, Node] | None  # getitems of fused_add_rms_norm; None for plain rms_norm
+
+
+def only_linear_user(value: Node) -> Node | None:
+    """The `linear` that is `value`'s one user, taking it as its input."""
+    users = list(value.users)
+    if len(users) == 1 and is_call(users[0], op("linear")) and users[0].args[0] is value:
+        return users[0]
+    return None
+
+
+def linear_args(linear: Node) -> tuple:
+    """(weight, bias) of a `linear` call."""
+    _, weight, *rest = linear.args
+    return weight, rest[0] if rest else linear.kwargs.get("bias")
+
+
+@register_pass("rms_norm_linear", version=1)
+class RMSNormLinear(PatternPass):
+    """RMSNorm (+ residual add) followed by its one projection -> one fused op."""
+
+    def match(self, node: Node) -> Match | None:
+        if is_call(node, op("rms_norm")):
+            linear = only_linear_user(node)
+            return Match(node, linear, None) if linear else None
+        if is_call(node, op("fused_add_rms_norm")):
+            outputs = getitem_users(node)
+            linear = only_linear_user(outputs[0]) if outputs and 0 in outputs else None
+            return Match(node, linear, outputs) if linear else None
+        return None
+
+    def replace(self, graph: Graph, m: Match) -> None:
+        fused_op = op("rms_norm_linear") if m.norm_outputs is None else op("fused_add_rms_norm_linear")
+        with graph.inserting_before(m.linear):
+            fused = graph.call_function(fused_op, (*m.norm.args, *linear_args(m.linear)))
+        if m.norm_outputs is None:
+            fused.meta.update(m.linear.meta)
+            m.linear.replace_all_uses_with(fused)
+            erase(graph, m.linear, m.norm)
+            return
+        with graph.inserting_after(fused):
+            out = graph.call_function(operator.getitem, (fused, 0))
+        out.meta.update(m.linear.meta)
+        m.linear.replace_all_uses_with(out)
+        erase(graph, m.linear)
+        if 1 in m.norm_outputs:  # the residual sum
+            replace_outputs({1: m.norm_outputs[1]}, fused, graph, {1: 1})
+        erase(graph, *m.norm_outputs.values(), m.norm)
