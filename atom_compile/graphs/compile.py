@@ -17,7 +17,6 @@ piece serves every layer that has its structure.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from torch.fx import GraphModule
 from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.linear import (
     fused_add_rms_norm_linear_reference,
+    linear_reference,
     rms_norm_linear_reference,
     silu_and_mul_linear_reference,
 )
@@ -45,27 +45,27 @@ def inductor_decompositions() -> dict:
     Inside a compiled piece a custom op is a fallback call Inductor cannot fuse with its
     neighbours; these ops are elementwise or row-wise, so Inductor's own kernels for the
     reference code fuse the residual add, norm, activation and RoPE around the GEMMs.
-    The fused linears decompose only on CPU, where Inductor's own GEMM needs no prologue and
-    an opaque op would be a call back into Python; on CUDA their kernel is the point.
     """
     return {
         torch.ops.atom.rms_norm.default: rms_norm_reference,
         torch.ops.atom.fused_add_rms_norm.default: fused_add_rms_norm_reference,
         torch.ops.atom.silu_and_mul.default: silu_and_mul_reference,
         torch.ops.atom.rotary_embedding.default: rotary_embedding_reference,
-        torch.ops.atom.rms_norm_linear.default: _on_cpu(rms_norm_linear_reference),
-        torch.ops.atom.fused_add_rms_norm_linear.default: _on_cpu(fused_add_rms_norm_linear_reference),
-        torch.ops.atom.silu_and_mul_linear.default: _on_cpu(silu_and_mul_linear_reference),
     }
 
 
-def _on_cpu(reference: Callable) -> Callable:
-    """A decomposition into `reference` for CPU tensors; elsewhere the op stays (NotImplemented declines)."""
+def cpu_decompositions() -> dict:
+    """The projections, fused or not, as their references in a CPU piece.
 
-    def decompose(x, *args):
-        return reference(x, *args) if x.device.type == "cpu" else NotImplemented
-
-    return decompose
+    On CPU the ops always run their references; inside an AOTInductor package an op would be a call
+    back into Python for every projection (25-40 us each), where Inductor's own GEMM needs none.
+    """
+    return {
+        torch.ops.atom.linear.default: linear_reference,
+        torch.ops.atom.rms_norm_linear.default: rms_norm_linear_reference,
+        torch.ops.atom.fused_add_rms_norm_linear.default: fused_add_rms_norm_linear_reference,
+        torch.ops.atom.silu_and_mul_linear.default: silu_and_mul_linear_reference,
+    }
 
 
 def register_inductor_decompositions() -> None:
@@ -114,28 +114,15 @@ def example_inputs(piece: GraphModule, device: torch.device) -> tuple[list[torch
     return args, dynamic
 
 
-def with_aten_linears(piece: GraphModule) -> GraphModule:
-    """A copy of `piece` whose `atom.linear` calls are `aten.linear`, for the CPU.
-
-    On CPU the op always runs its reference, `F.linear`; inside an AOTInductor package it would be a call
-    back into Python for every projection (25-40 us each), where Inductor's own GEMM needs none.
-    """
-    graph = copy.deepcopy(piece.graph)
-    for node in graph.nodes:
-        if node.target is torch.ops.atom.linear.default:
-            node.target = torch.ops.aten.linear.default
-    return GraphModule(piece, graph)
-
-
 def compile_piece(piece: GraphModule, path: Path, device: torch.device) -> str:
     """Inductor-compile `piece` for dynamic sizes into `path`; returns the format used."""
     register_inductor_decompositions()
     fmt = FORMATS[device.type]
     with torch.no_grad():
         if fmt == "aoti":
-            piece = with_aten_linears(piece)
             args, dynamic = example_inputs(piece, device)
             exported = torch.export.export(piece, tuple(args), dynamic_shapes=tuple(dynamic))
+            exported = exported.run_decompositions(cpu_decompositions())
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
         else:
             fakes = [n.meta["val"] for n in piece.graph.nodes if n.op == "placeholder"]
