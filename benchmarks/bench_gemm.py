@@ -7,7 +7,9 @@ For each projection of each preset (qkv, o, gate_up, down, lm_head; N x K) and M
 F.linear (cuBLAS), of the skinny kernel at its default launch (`gemm.skinny_config`), and of what
 the triton `linear` dispatches to (the skinny kernel up to `gemm.SKINNY_LINEAR_MAX_M`, then cuBLAS),
 against the roofline: bytes read and written (weight, x, out) over the copy bandwidth measured in the
-same run. `--timer graph` (the default) times CUDA-graph replays over weight copies that together
+same run. For the projections a decoder layer feeds from a residual-add + RMSNorm (qkv, gate_up) or a
+SiLU·mul (down): that op and the `linear` after it (`unfused`) next to the fused linear the passes emit.
+`--timer graph` (the default) times CUDA-graph replays over weight copies that together
 exceed L2, as in a decode step; `--timer do_bench` single calls. `--sweep` adds every skinny config
 (`skinny_sweep_configs`) at `--sweep-ms`. Prints tables and writes JSON. The helpers here also time
 bench_fp8.py's FP8 GEMMs.
@@ -30,6 +32,8 @@ from triton.runtime.errors import OutOfResources
 from atom_models.checkpoints import make_config
 from atom_models.llama import head_dim_of
 from atom_models.ops.triton_kernels import gemm
+from atom_models.ops.triton_kernels.activation import silu_and_mul
+from atom_models.ops.triton_kernels.norm import fused_add_rms_norm
 
 # Graph replays read at least this many bytes of weight copies, so L2 (50 MB on H100) serves none of them.
 MIN_REPLAY_BYTES = 256 * 2**20
@@ -96,6 +100,25 @@ def projections(preset: str) -> list[tuple[str, int, int]]:
     ]
 
 
+# The op in front of each projection in a decoder layer, as the linear fusions see it.
+FUSED_PROLOGUE = {"qkv": "add_rms_norm", "gate_up": "add_rms_norm", "down": "silu_mul"}
+
+
+def fused_and_unfused(name: str, m: int, k: int) -> tuple:
+    """(fused, unfused) callables of a weight for the projection `name`'s fused linear, on random inputs."""
+    if FUSED_PROLOGUE[name] == "silu_mul":
+        x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        return partial(gemm.silu_and_mul_linear, x, bias=None), lambda w: gemm.linear(silu_and_mul(x), w, None)
+    x, residual = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+
+    def unfused(w):
+        normed, _ = fused_add_rms_norm(x, residual, g, 1e-6)
+        return gemm.linear(normed, w, None)
+
+    return lambda w: gemm.fused_add_rms_norm_linear(x, residual, g, 1e-6, w, None), unfused
+
+
 def time_shape(preset: str, name: str, n: int, k: int, m: int, args: argparse.Namespace, bandwidth: float) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -120,6 +143,9 @@ def time_shape(preset: str, name: str, n: int, k: int, m: int, args: argparse.Na
             row["sweep"] = sweep_skinny(args.timer, w, skinny, m, False)
             row["sweep_best_us"] = row["sweep"]["best_us"]
             row["sweep_best_config"] = row["sweep"]["best_config"]
+    if name in FUSED_PROLOGUE:
+        fused, unfused = fused_and_unfused(name, m, k)
+        row["fused_us"], row["unfused_us"] = timed(args.timer, w, fused), timed(args.timer, w, unfused)
     row["cublas_of_roofline"] = row["roofline_us"] / row["cublas_us"]
     row["linear_of_roofline"] = row["roofline_us"] / row["linear_us"]
     print(f"{preset} {name} {n}x{k} M={m}: cuBLAS {row['cublas_us']:.1f} us, linear {row['linear_us']:.1f} us")
@@ -149,6 +175,8 @@ def main() -> None:
         ("cublas_us", "cuBLAS us", ".1f"),
         ("skinny_us", "skinny us", ".1f"),
         ("linear_us", "linear us", ".1f"),
+        ("unfused_us", "unfused us", ".1f"),
+        ("fused_us", "fused us", ".1f"),
         ("cublas_of_roofline", "cuBLAS/roof", ".2f"),
         ("linear_of_roofline", "linear/roof", ".2f"),
     ]
