@@ -210,24 +210,30 @@ def fused_linear_case(prologue: str, m: int, n: int, k: int, dtype: torch.dtype 
     return (x, residual, g, 1e-6, w, b), reference, gemm.RMSNormPrologue(g, 1e-6, residual, summed)
 
 
-@pytest.mark.parametrize("m,config", LINEAR_CONFIGS)
+GEMV_CONFIGS = [None, gemm.SkinnyConfig(8, 128, 3, 2, 2, False), gemm.SkinnyConfig(16, 64, 1, 4, 3, False)]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS)
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_skinny_linear_prologue(m, config, prologue):
-    """The skinny GEMM with the op in front of a projection fused in (split-K configs: RMSNorm runs unsplit)."""
+def test_skinny_linear_prologue(config, prologue):
+    """The one-token GEMV with the op in front of a projection fused in (a split-K config: RMSNorm runs unsplit)."""
     n, k = 72, 200
-    args, reference, fused = fused_linear_case(prologue, m, n, k)
+    args, reference, fused = fused_linear_case(prologue, 1, n, k)
     out = gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], DTYPE, (1, k), config, prologue=fused)
     assert_close(out, reference[0])
     if prologue == "add_rms_norm":
         assert_close(fused.summed, reference[1], tol=1e-6)  # the residual sum rounds as torch's add does
     assert not common.ticket_counters(DEVICE, 1).any()
+    with pytest.raises(ValueError, match="one-token GEMV"):
+        mma = gemm.SkinnyConfig(32, 64, 1, 4, 3, True)
+        gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], DTYPE, (1, k), mma, prologue=fused)
 
 
 @pytest.mark.parametrize("m", [1, 2] + ([13, 16, 17, 300] if CUDA else []))
 @pytest.mark.parametrize("prologue", PROLOGUES)
 def test_fused_linear_dispatch(m, prologue):
-    """The triton fused linears match their references on both sides of the skinny threshold (bf16; on CPU
-    the one-token GEMV, and M = 2 in fp32 checks the fallback to the norm or activation kernel and F.linear)."""
+    """The triton fused linears match their references for one token (the fused GEMV) and more (the op's kernel,
+    then `linear`: the skinny MMA, or cuBLAS beyond 16); bf16, on CPU M = 2 in fp32 (the fallback)."""
     dtype = torch.bfloat16 if CUDA or m == 1 else torch.float32
     args, reference, _ = fused_linear_case(prologue, m, 40, 136, dtype)
     run = {"rms_norm": gemm.rms_norm_linear, "add_rms_norm": gemm.fused_add_rms_norm_linear}
@@ -255,10 +261,10 @@ def test_skinny_linear_gpu_shapes(m, n, k):
 
 
 @gpu_only
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 1024), (1, 6144, 4096), (7, 4096, 4096), (16, 1024, 3072)])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 4096), (1024, 3072), (4096, 14336)])
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_skinny_linear_prologue_gpu_shapes(m, n, k, prologue):
-    args, reference, fused = fused_linear_case(prologue, m, n, k)
+def test_skinny_linear_prologue_gpu_shapes(n, k, prologue):
+    args, reference, fused = fused_linear_case(prologue, 1, n, k)
     out = gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], DTYPE, (1, k), prologue=fused)
     assert_close(out, reference[0])
 

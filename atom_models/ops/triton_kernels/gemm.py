@@ -39,7 +39,6 @@ from atom_models.ops.triton_kernels.activation import silu_and_mul
 from atom_models.ops.triton_kernels.common import (
     as_rows,
     pdl_launch,
-    prefetch_to_l2,
     ticket_counters,
     wait_for_previous_kernel,
 )
@@ -254,9 +253,6 @@ def run_scaled_mm(
 # per-row scales, the tile kernel for block scales) on every Llama-3-8B projection (H100 and H200, graph
 # replays); at 64 the tile kernel is even with it on gate_up, and beyond that tiles reuse x enough to win.
 SKINNY_MAX_M = 64
-# Weight bytes one skinny GEMM asks L2 for ahead of its loop, under PDL: a third of the H100's 50 MB L2, so the
-# prefetched tiles of all programs are still there when their loops reach them.
-PREFETCH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -304,8 +300,8 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
 
 
-# What `_skinny_mm_kernel` does to x's tiles before multiplying: the op in front of a decode projection, fused
-# into it, so its output never makes a round trip through memory and a step has one kernel less a layer.
+# What `_skinny_mm_kernel`'s one-token GEMV does to x before multiplying: the op in front of a decode projection,
+# fused into it, so its output never makes a round trip through memory and a step has one kernel less a layer.
 NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
 
 
@@ -328,29 +324,28 @@ class SiluMulPrologue:
 
 
 @triton.jit
-def _operand_tile(x_ptr, res_ptr, g_ptr, sum_ptr, rows, cols, mask, cols_ok, K, store_sum, PROLOGUE: tl.constexpr):
-    """x's tile at (rows, cols) as the GEMM's operand (fp32 after a prologue), and (RMS_NORM) its squares.
+def _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, cols, k_ok, K, store_sum, PROLOGUE: tl.constexpr):
+    """The token's columns `cols` as the GEMV's fp32 operand, after the prologue, and (RMS_NORM) their squares.
 
-    RMS_NORM multiplies by the norm weight only: the per-token 1/rms is a factor of the whole dot product, so the
-    kernel applies it once at the end, from the squares it accumulates over the loop (one pass over x, summed
-    once after it). The residual sum rounds to x's dtype first, as torch's add does, and is stored (by the
-    programs `store_sum` picks) as the next residual.
+    RMS_NORM multiplies by the norm weight only: 1/rms is a factor of the whole dot product, so the kernel
+    applies it once at the end, from the squares it accumulates over the loop (one pass over x). The residual
+    sum rounds to x's dtype first, as torch's add does, and is stored (where `store_sum`) as the next residual.
     """
-    x = tl.load(x_ptr + rows + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + cols, mask=k_ok, other=0.0)
     squares = 0.0
     if PROLOGUE == 2:  # SILU_MUL: the up half starts K columns after the gate
         gate = x.to(tl.float32)
-        up = tl.load(x_ptr + rows + cols + K, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + cols + K, mask=k_ok, other=0.0).to(tl.float32)
         a = gate / (1.0 + tl.exp(-gate)) * up
     elif PROLOGUE == 1:  # RMS_NORM
         if res_ptr is not None:
-            x = (x.to(tl.float32) + tl.load(res_ptr + rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(sum_ptr + rows + cols, x, mask=mask & store_sum)
+            x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + cols, x, mask=k_ok & store_sum)
         h = x.to(tl.float32)
         squares = h * h
-        a = h * tl.load(g_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
+        a = h * tl.load(g_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
     else:
-        a = x
+        a = x.to(tl.float32)
     return a, squares
 
 
@@ -373,7 +368,6 @@ def _skinny_mm_kernel(
     K,
     k_per_split,
     num_splits,
-    prefetch_tiles,
     stride_xm,
     stride_xsm,
     stride_wn,
@@ -410,9 +404,6 @@ def _skinny_mm_kernel(
     Split K: program (n tile, slice) stores its fp32 partial to `part_ptr` [num_splits, M, N] and takes
     a ticket; the slice that arrives last sums the partials in slice order (deterministic) and
     writes the output, so one launch does it all and nothing synchronises with the host.
-
-    With PDL the program first asks L2 for its first `prefetch_tiles` weight tiles: the weights are never
-    written by the kernel before, so they stream in while it finishes, and the loop starts on warm lines.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -423,50 +414,29 @@ def _skinny_mm_kernel(
     m_ok = offs_m < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    if USE_PDL:
-        LINES: tl.constexpr = (BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024  # 128 B each
-        rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-        lines = tl.arange(0, LINES)[None, :] * (BLOCK_K // LINES)
-        for t in range(prefetch_tiles):
-            prefetch_to_l2(rows + tl.minimum(k_start + t * BLOCK_K + lines, K - 1))
     wait_for_previous_kernel(USE_PDL)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_wsn
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K, BLOCK_M] if USE_DOT else [BLOCK_K], dtype=tl.float32)  # RMS_NORM's, summed after
-    store_sum = pid_n == 0  # one program a K slice writes the residual sum
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_NORM's, summed after the loop
+    store_sum = pid_n == 0  # one program writes the residual sum
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = offs_k < k_end - k0
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
-            x_rows, x_cols, x_cols_ok = offs_m[None, :] * stride_xm, (k0 + offs_k)[:, None], k_ok[:, None]
-            x, tile_squares = _operand_tile(
-                x_ptr,
-                res_ptr,
-                g_ptr,
-                sum_ptr,
-                x_rows,
-                x_cols,
-                x_cols_ok & m_ok[None, :],
-                x_cols_ok,
-                K,
-                store_sum,
-                PROLOGUE,
-            )
-            part = tl.dot(w, x.to(w.dtype))
+            x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
+            part = tl.dot(w, tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0))
             if SCALE_ALONG_K:  # the K tile lies in one scale block
                 part *= tl.load(ws_ptrs + (k0 // SCALE_K) * stride_wsk, mask=n_ok, other=0.0)[:, None]
                 if X_GROUPED:  # and in one group of x's scales
                     part *= tl.load(xs_ptr + offs_m * stride_xsm + k0 // SCALE_K, mask=m_ok, other=0.0)[None, :]
         else:  # one token, per-row weight scales
-            x, tile_squares = _operand_tile(
-                x_ptr, res_ptr, g_ptr, sum_ptr, 0, k0 + offs_k, k_ok, k_ok, K, store_sum, PROLOGUE
-            )
-            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)[:, None]
+            x, tile_squares = _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, k0 + offs_k, k_ok, K, store_sum, PROLOGUE)
+            part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[:, None]
+            if PROLOGUE == 1:
+                squares += tile_squares
         acc += part
-        if PROLOGUE == 1:
-            squares += tile_squares
         w_ptrs += BLOCK_K
 
     last = True  # without a split, every program stores its own tile
@@ -485,11 +455,7 @@ def _skinny_mm_kernel(
                 acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
     if last:  # the norm, the scales not applied yet, then bias
         if PROLOGUE == 1:  # RMS_NORM (never split: each program sums all of K's squares)
-            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # per token ([BLOCK_M]; a scalar for the GEMV)
-            if USE_DOT:
-                acc *= rstd[None, :]
-            else:
-                acc *= rstd
+            acc *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if SCALED:
             if not SCALE_ALONG_K:
                 acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
@@ -514,8 +480,8 @@ def run_skinny_mm(
 ) -> Tensor:
     """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
 
-    Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w, and may take a
-    prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape).
+    Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w; for one token it may
+    take a prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape).
     """
     if (x_scale is None) != (w_scale is None):
         raise ValueError("the skinny GEMM takes scales for both operands (fp8) or for neither")
@@ -531,15 +497,17 @@ def run_skinny_mm(
     config = config or skinny_config(m, n, k, scale_k, x.device, w_q.element_size())
     if not config.dot and (m > 1 or scale_k < k):
         raise ValueError(f"the CUDA-core GEMV serves one token with per-row weight scales, got {m} tokens")
+    if prologue is not None and config.dot:
+        raise ValueError("the skinny GEMM's prologues run in the one-token GEMV, not in the MMA")
     residual = norm_weight = summed = None
     if isinstance(prologue, RMSNormPrologue):
         if config.split_k > 1:  # each program needs the squares of the whole row
             config = dataclasses.replace(config, split_k=1)
-        x, norm_weight = x.contiguous(), prologue.weight
+        norm_weight = prologue.weight
         if prologue.residual is not None:
-            residual, summed = as_rows(prologue.residual).contiguous(), as_rows(prologue.summed)
-            if residual.shape != x.shape or summed.shape != x.shape or summed.stride() != x.stride():
-                raise ValueError("the RMSNorm prologue's residual and sum must be contiguous and of x's shape")
+            residual, summed = as_rows(prologue.residual), as_rows(prologue.summed)
+            if residual.shape != x.shape or summed.shape != x.shape:
+                raise ValueError("the RMSNorm prologue's residual and sum must have x's shape")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     scaled = ws is not None
@@ -551,7 +519,6 @@ def run_skinny_mm(
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
     n_tiles = triton.cdiv(n, config.block_n)
-    tile_bytes = config.block_n * config.block_k * w_q.element_size()
     part = tickets = out  # unused without a split
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -576,7 +543,6 @@ def run_skinny_mm(
             k,
             k_per_split,
             split_k,
-            min(triton.cdiv(k_per_split, config.block_k), PREFETCH_BYTES // (n_tiles * split_k * tile_bytes)),
             *strides,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else 1,
             SCALED=scaled,
@@ -626,12 +592,10 @@ def scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor:
 SKINNY_LINEAR_MAX_M = 16
 
 
-def _skinny_linear(x: Tensor, weight: Tensor) -> bool:
-    """Whether `linear` and the fused linears below take the skinny kernel for x (else cuBLAS)."""
+def _skinny_linear(x: Tensor, weight: Tensor, max_rows: int = SKINNY_LINEAR_MAX_M) -> bool:
+    """Whether x's rows (at most `max_rows`) take the skinny kernel (else cuBLAS)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (
-        0 < rows <= SKINNY_LINEAR_MAX_M and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
-    )
+    return 0 < rows <= max_rows and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
 
 
 @register_impl("linear", "triton")
@@ -641,28 +605,34 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+# The fused linears take the prologue for one token only, in the CUDA-core GEMV; at 2 to 16 they run the op
+# and then `linear`. In the MMA path the prologue stalls every K tile between its loads and the MMA: Llama-3-8B's
+# down projection at M = 8 took 128 us fused against 51 us for SiLU·mul's kernel and the GEMM (H100, graphs).
+FUSED_LINEAR_MAX_M = 1
+
+
 @register_impl("rms_norm_linear", "triton")
 def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
-    if _skinny_linear(x, weight):
+    if _skinny_linear(x, weight, FUSED_LINEAR_MAX_M):
         prologue = RMSNormPrologue(norm_weight, eps)
         return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=prologue)
-    return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
+    return linear(rms_norm(x, norm_weight, eps), weight, bias)
 
 
 @register_impl("fused_add_rms_norm_linear", "triton")
 def fused_add_rms_norm_linear(
     x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    if _skinny_linear(x, weight):
+    if _skinny_linear(x, weight, FUSED_LINEAR_MAX_M):
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
         return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=prologue), summed
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), summed
+    return linear(normed, weight, bias), summed
 
 
 @register_impl("silu_and_mul_linear", "triton")
 def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    if _skinny_linear(x, weight):
+    if _skinny_linear(x, weight, FUSED_LINEAR_MAX_M):
         return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=SiluMulPrologue())
-    return F.linear(silu_and_mul(x), weight, bias)
+    return linear(silu_and_mul(x), weight, bias)
