@@ -253,6 +253,10 @@ def run_scaled_mm(
 # per-row scales, the tile kernel for block scales) on every Llama-3-8B projection (H100 and H200, graph
 # replays); at 64 the tile kernel is even with it on gate_up, and beyond that tiles reuse x enough to win.
 SKINNY_MAX_M = 64
+# The largest weight the one-token GEMV launches with PDL. Its thousands of small programs gain from PDL where
+# launch latency is a large part of the kernel (Qwen3-0.6B, 2-12 MB: batch-1 step 1.153 -> 1.100 ms) and lose
+# where the weight stream is (Llama-3-8B, 32-235 MB: 5.867 -> 6.242 ms); H100, decode graphs, 235edc4.
+GEMV_PDL_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -550,7 +554,7 @@ def run_skinny_mm(
             USE_DOT=config.dot,
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             **constants,
-            **pdl_launch(x.device),
+            **(pdl_launch(x.device) if config.dot or w_q.nbytes <= GEMV_PDL_MAX_BYTES else {"USE_PDL": False}),
         )
     return out.reshape(*x_q.shape[:-1], n)
 
