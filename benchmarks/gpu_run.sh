@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
-# Stages: tests (GPU tests), kernel-tests, gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
+# Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL: serving compiles nothing? gain?), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
 #         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
 #         train-demo (the demo model, to $OUT/demo.tar.part-*; needs carry demo_corpus/{train,valid,chat}.txt,
 #         corpus.json, LICENSE-PSF.txt).
@@ -32,6 +32,12 @@ for stage in "$@"; do
              --output-len 1024 --out "$OUT/offline-llama-3-8b.json" 2>&1 | grep -v Warning | tail -8 ;;
     offline-small) python3 benchmarks/bench_offline.py --preset qwen3-0.6b --num-prompts 1000 --input-len 1024 \
              --output-len 1024 --out "$OUT/offline-qwen3-0.6b.json" 2>&1 | grep -v Warning | tail -8 ;;
+    inductor-pdl)  # Inductor's own kernels with PDL too: does the artifact still serve without compiling, and the gain
+      export TORCHINDUCTOR_ENABLE_PDL=1 TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0
+      python3 -m pytest -q tests/test_gpu.py -k serves_without_compiling 2>&1 | tee "$OUT/inductor-pdl-tests.log" | tail -3
+      python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 --context 400 \
+        --out "$OUT/decode-inductor-pdl.json" 2>&1 | grep -A4 "^decode,"
+      unset TORCHINDUCTOR_ENABLE_PDL TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER ;;
     passes) python3 benchmarks/bench_passes.py --preset qwen3-0.6b --out "$OUT/passes.json" 2>&1 | grep -v Warning | tail -12 ;;
     isolation) art=$(cd benchmarks && python3 -c "from pathlib import Path; from bench_common import dummy_artifact
 print(dummy_artifact('qwen3-0.6b', Path('/tmp/iso'), 'cuda'))" | tail -1)
