@@ -25,7 +25,7 @@ from atom_compile.passes import DEFAULT_PIPELINE
 from atom_runtime import LLM
 
 
-def decode_ms(artifact: Path, batch_sizes: list[int], context: int, steps: int) -> dict[str, float]:
+def decode_ms(artifact: Path, batch_sizes: list[int], context: int, steps: int) -> dict[str, float | None]:
     """Engine and graph ms a decode step at each batch size, as `{"b1_ms": ..., "b1_graph_ms": ...}`."""
     llm = LLM(
         artifact,

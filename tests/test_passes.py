@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 
 import pytest
@@ -116,6 +117,30 @@ def test_linear_fusions(model, request):
     assert after_ops["atom.rms_norm.default"] == before_ops["atom.rms_norm.default"] - 1
     # the references compose the unfused ops exactly; the kernels are held to tolerance in their own tests
     assert_same_outputs(before, run(model, t))
+
+
+def norm_then_linear(sum_used_before_linear: bool = False) -> torch.fx.GraphModule:
+    """fused_add_rms_norm -> linear, written with keyword arguments; optionally the residual sum is used before it."""
+    graph = torch.fx.Graph()
+    x, residual, norm_weight, weight = (graph.placeholder(name) for name in ("x", "residual", "norm_weight", "weight"))
+    norm = graph.call_function(torch.ops.atom.fused_add_rms_norm.default, (x, residual, norm_weight), {"eps": 1e-6})
+    normed, summed = (graph.call_function(operator.getitem, (norm, i)) for i in (0, 1))
+    early = graph.call_function(torch.ops.aten.mul.Tensor, (summed, 2.0)) if sum_used_before_linear else summed
+    out = graph.call_function(torch.ops.atom.linear.default, (), {"x": normed, "weight": weight, "bias": None})
+    graph.output((out, early))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_linear_fusion_on_keyword_arguments_and_where_the_sum_is_used_first():
+    inputs = (torch.randn(1, 8), torch.randn(1, 8), torch.randn(8), torch.randn(4, 8))
+    gm = norm_then_linear()
+    before = gm(*inputs)
+    assert run_passes(gm, ["rms_norm_linear"])[0].matches == 1
+    assert ops(gm) == Counter({"atom.fused_add_rms_norm_linear.default": 1})
+    for a, b in zip(gm(*inputs), before, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # the fused op stands where the linear was, so a use of the sum before it would come first: left alone
+    assert run_passes(norm_then_linear(sum_used_before_linear=True), ["rms_norm_linear"])[0].matches == 0
 
 
 def test_linear_fusions_leave_fp8_projections_to_the_quant_fusions(tiny_llama):

@@ -215,18 +215,31 @@ GEMV_CONFIGS = [None, gemm.SkinnyConfig(8, 128, 3, 2, 2, False), gemm.SkinnyConf
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS)
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_skinny_linear_prologue(config, prologue):
+@pytest.mark.parametrize("dtype", [DTYPE, torch.float16])
+def test_skinny_linear_prologue(config, prologue, dtype):
     """The one-token GEMV with the op in front of a projection fused in (a split-K config: RMSNorm runs unsplit)."""
     n, k = 72, 200
-    args, reference, fused = fused_linear_case(prologue, 1, n, k)
-    out = gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], DTYPE, (1, k), config, prologue=fused)
-    assert_close(out, reference[0])
+    args, reference, fused = fused_linear_case(prologue, 1, n, k, dtype)
+    out = gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], dtype, (1, k), config, prologue=fused)
+    assert_close(out, reference[0], tol=TOL if dtype == DTYPE else 1e-2)
     if prologue == "add_rms_norm":
         assert_close(fused.summed, reference[1], tol=1e-6)  # the residual sum rounds as torch's add does
     assert not common.ticket_counters(DEVICE, 1).any()
     with pytest.raises(ValueError, match="one-token GEMV"):
         mma = gemm.SkinnyConfig(32, 64, 1, 4, 3, True)
-        gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], DTYPE, (1, k), mma, prologue=fused)
+        gemm.run_skinny_mm(args[0], None, args[-2], None, args[-1], dtype, (1, k), mma, prologue=fused)
+
+
+def test_skinny_linear_prologue_refuses_buffers_it_cannot_write():
+    args, _, _ = fused_linear_case("add_rms_norm", 1, 8, 64)
+    x, residual, g, eps, w, _ = args
+    strided_sum = torch.empty(1, 128, dtype=DTYPE, device=DEVICE)[:, ::2]
+    for prologue in (gemm.RMSNormPrologue(g, eps, residual), gemm.RMSNormPrologue(g, eps, residual, strided_sum)):
+        with pytest.raises(ValueError, match="sum buffer"):
+            gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, 64), prologue=prologue)
+    with pytest.raises(ValueError, match="contiguous vector"):
+        strided_weight = torch.ones(128, dtype=DTYPE, device=DEVICE)[::2]
+        gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, 64), prologue=gemm.RMSNormPrologue(strided_weight, eps))
 
 
 @pytest.mark.parametrize("m", [1, 2] + ([13, 16, 17, 300] if CUDA else []))

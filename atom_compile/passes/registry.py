@@ -134,6 +134,31 @@ def is_call(node: Any, target: torch._ops.OpOverload) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target is target
 
 
+def call_args(node: Node) -> tuple:
+    """An op call's arguments in its schema's order, keyword ones and defaults included."""
+    values = []
+    for i, argument in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            values.append(node.args[i])
+        elif argument.name in node.kwargs:
+            values.append(node.kwargs[argument.name])
+        elif argument.has_default_value():
+            values.append(argument.default_value)
+        else:
+            raise ValueError(f"{node.format_node()} lacks argument {argument.name!r}")
+    return tuple(values)
+
+
+def used_between(value: Node, start: Node, end: Node) -> bool:
+    """Whether a node after `start` and before `end` (in graph order) uses `value`."""
+    node = start.next
+    while node is not end and node.op != "root":
+        if value in node.all_input_nodes:
+            return True
+        node = node.next
+    return False
+
+
 def getitem_users(node: Node) -> dict[int, Node] | None:
     """Index -> getitem node for a multi-output node, or None if anything else uses it."""
     found = {}

@@ -6,9 +6,10 @@ After:   out = rms_norm_linear(x, g, eps, w, b)
 Before:  y, r = fused_add_rms_norm(x, res, g, eps);    out = linear(y, w, b)
 After:   out, r = fused_add_rms_norm_linear(x, res, g, eps, w, b)
 
-At decode sizes the projection's kernel normalises its input tiles itself (Triton backend), so a
-decoder layer's two norms cost no kernel of their own. It fires only where the projection is the
-norm's one user: the packed qkv and gate_up projections. FP8 projections take `rms_norm_quant`.
+For one token (a batch-1 decode step) the projection's kernel normalises its input itself (Triton
+backend), so a decoder layer's two norms cost no kernel of their own; for more the op runs the norm
+and then the projection. It fires only where the projection is the norm's one user: the packed qkv
+and gate_up projections. FP8 projections take `rms_norm_quant`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
-from atom_compile.passes.registry import PatternPass, erase, getitem_users, is_call, op, register_pass, replace_outputs
+from atom_compile.passes.registry import (
+    PatternPass,
+    call_args,
+    erase,
+    getitem_users,
+    is_call,
+    op,
+    register_pass,
+    replace_outputs,
+    used_between,
+)
 
 
 @dataclass
@@ -31,15 +42,15 @@ class Match:
 def only_linear_user(value: Node) -> Node | None:
     """The `linear` that is `value`'s one user, taking it as its input."""
     users = list(value.users)
-    if len(users) == 1 and is_call(users[0], op("linear")) and users[0].args[0] is value:
+    if len(users) == 1 and is_call(users[0], op("linear")) and call_args(users[0])[0] is value:
         return users[0]
     return None
 
 
-def linear_args(linear: Node) -> tuple:
+def linear_args(linear: Node) -> tuple[Node, Node | None]:
     """(weight, bias) of a `linear` call."""
-    _, weight, *rest = linear.args
-    return weight, rest[0] if rest else linear.kwargs.get("bias")
+    _, weight, bias = call_args(linear)
+    return weight, bias
 
 
 @register_pass("rms_norm_linear", version=1)
@@ -53,13 +64,15 @@ class RMSNormLinear(PatternPass):
         if is_call(node, op("fused_add_rms_norm")):
             outputs = getitem_users(node)
             linear = only_linear_user(outputs[0]) if outputs and 0 in outputs else None
-            return Match(node, linear, outputs) if linear else None
+            if linear is None or (1 in outputs and used_between(outputs[1], node, linear)):
+                return None  # the fused op replaces the norm where the linear is: the sum is not there before it
+            return Match(node, linear, outputs)
         return None
 
     def replace(self, graph: Graph, m: Match) -> None:
         fused_op = op("rms_norm_linear") if m.norm_outputs is None else op("fused_add_rms_norm_linear")
         with graph.inserting_before(m.linear):
-            fused = graph.call_function(fused_op, (*m.norm.args, *linear_args(m.linear)))
+            fused = graph.call_function(fused_op, (*call_args(m.norm), *linear_args(m.linear)))
         if m.norm_outputs is None:
             fused.meta.update(m.linear.meta)
             m.linear.replace_all_uses_with(fused)

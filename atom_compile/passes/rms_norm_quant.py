@@ -17,7 +17,16 @@ from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
-from atom_compile.passes.registry import PatternPass, erase, getitem_users, is_call, op, register_pass, replace_outputs
+from atom_compile.passes.registry import (
+    PatternPass,
+    call_args,
+    erase,
+    getitem_users,
+    is_call,
+    op,
+    register_pass,
+    replace_outputs,
+)
 
 
 @dataclass
@@ -57,7 +66,7 @@ class RMSNormQuant(PatternPass):
     def replace(self, graph: Graph, m: Match) -> None:
         fused_op = op("rms_norm_quant_fp8") if m.norm_outputs is None else op("fused_add_rms_norm_quant_fp8")
         with graph.inserting_after(m.norm):
-            fused = graph.call_function(fused_op, (*m.norm.args, group_size(m.quants[0])))
+            fused = graph.call_function(fused_op, (*call_args(m.norm), group_size(m.quants[0])))
         for quant in m.quants:
             quant_outputs = getitem_users(quant)
             replace_outputs(quant_outputs, fused, graph, {0: 0, 1: 1})

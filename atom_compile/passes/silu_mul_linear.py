@@ -3,16 +3,17 @@
 Before:  h = silu_and_mul(x);  out = linear(h, w, b)
 After:   out = silu_and_mul_linear(x, w, b)
 
-At decode sizes the down projection's kernel computes SiLU(gate)·up from its input tiles itself
-(Triton backend): one kernel a layer fewer. It fires only where the projection is the
-activation's one user; an FP8 down projection takes `silu_mul_quant`.
+For one token (a batch-1 decode step) the down projection's kernel computes SiLU(gate)·up from its
+input itself (Triton backend): one kernel a layer fewer; for more the op runs the activation and
+then the projection. It fires only where the projection is the activation's one user; an FP8 down
+projection takes `silu_mul_quant`.
 """
 
 from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from atom_compile.passes.registry import PatternPass, erase, is_call, op, register_pass
+from atom_compile.passes.registry import PatternPass, call_args, erase, is_call, op, register_pass
 from atom_compile.passes.rms_norm_linear import linear_args, only_linear_user
 
 
@@ -29,7 +30,7 @@ class SiluMulLinear(PatternPass):
     def replace(self, graph: Graph, m: tuple[Node, Node]) -> None:
         activation, linear = m
         with graph.inserting_before(linear):
-            fused = graph.call_function(op("silu_and_mul_linear"), (*activation.args, *linear_args(linear)))
+            fused = graph.call_function(op("silu_and_mul_linear"), (*call_args(activation), *linear_args(linear)))
         fused.meta.update(linear.meta)
         linear.replace_all_uses_with(fused)
         erase(graph, linear, activation)

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
-from atom_compile.passes.registry import PatternPass, erase, getitem_users, is_call, op, register_pass, replace_outputs
+from atom_compile.passes.registry import (
+    PatternPass,
+    call_args,
+    erase,
+    getitem_users,
+    is_call,
+    op,
+    register_pass,
+    replace_outputs,
+)
 from atom_compile.passes.rms_norm_quant import group_size, quantized_users
 
 
@@ -35,7 +44,8 @@ class SiluMulQuant(PatternPass):
 
     def replace(self, graph: Graph, m: Match) -> None:
         with graph.inserting_after(m.activation):
-            fused = graph.call_function(op("silu_and_mul_quant_fp8"), (*m.activation.args, group_size(m.quants[0])))
+            arguments = (*call_args(m.activation), group_size(m.quants[0]))
+            fused = graph.call_function(op("silu_and_mul_quant_fp8"), arguments)
         for quant in m.quants:
             outputs = getitem_users(quant)
             replace_outputs(outputs, fused, graph, {0: 0, 1: 1})

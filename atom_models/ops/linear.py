@@ -7,8 +7,8 @@ multiprocessors. As a custom op, the backend picks the kernel per call (see
 
 The fused linears (what the `rms_norm_linear` and `silu_mul_linear` passes emit) put the RMSNorm,
 with or without the residual add, or the SiLU·mul in front of a projection into the projection's
-kernel at decode sizes: one kernel, and one round trip of the activations through memory, fewer
-a layer. Their references are the two ops in a row.
+kernel for one token (a batch-1 decode step, latency-bound): one kernel, and one round trip of the
+activations through memory, fewer. Their references are the two ops in a row.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def _(x, norm_weight, eps, weight, bias):
 
 
 @register_impl("rms_norm_linear", "torch")
-def rms_norm_linear_reference(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None):
+def rms_norm_linear_reference(
+    x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None
+) -> Tensor:
     return F.linear(rms_norm_reference(x, norm_weight, eps), weight, bias)
 
 

@@ -307,6 +307,7 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
 # What `_skinny_mm_kernel`'s one-token GEMV does to x before multiplying: the op in front of a decode projection,
 # fused into it, so its output never makes a round trip through memory and a step has one kernel less a layer.
 NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
+RMS_NORM_C, SILU_MUL_C = tl.constexpr(RMS_NORM), tl.constexpr(SILU_MUL)  # as the kernels see them
 
 
 @dataclass(frozen=True)
@@ -337,11 +338,11 @@ def _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, cols, k_ok, K, store_sum, PROL
     """
     x = tl.load(x_ptr + cols, mask=k_ok, other=0.0)
     squares = 0.0
-    if PROLOGUE == 2:  # SILU_MUL: the up half starts K columns after the gate
+    if PROLOGUE == SILU_MUL_C:  # the up half starts K columns after the gate
         gate = x.to(tl.float32)
         up = tl.load(x_ptr + cols + K, mask=k_ok, other=0.0).to(tl.float32)
         a = gate / (1.0 + tl.exp(-gate)) * up
-    elif PROLOGUE == 1:  # RMS_NORM
+    elif PROLOGUE == RMS_NORM_C:
         if res_ptr is not None:
             x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(sum_ptr + cols, x, mask=k_ok & store_sum)
@@ -396,6 +397,9 @@ def _skinny_mm_kernel(
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
 
     SCALED: fp8 operands with the scales of `_scaled_mm_kernel`; else plain bf16/fp16 ones (`linear`).
+    PROLOGUE (one token, the CUDA-core GEMV only; see `_gemv_operand`): RMS_NORM normalises x (plus the
+    residual at res_ptr, if given, whose sum goes to sum_ptr) with weight g_ptr and eps first; SILU_MUL takes
+    x = [gate | up] of 2K columns.
 
     A decode GEMM reads each weight byte once and does almost no arithmetic on it, so what counts
     is bytes in flight: many programs (narrow N tiles, and K split in `num_splits` slices when N alone
@@ -438,7 +442,7 @@ def _skinny_mm_kernel(
         else:  # one token, per-row weight scales
             x, tile_squares = _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, k0 + offs_k, k_ok, K, store_sum, PROLOGUE)
             part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[:, None]
-            if PROLOGUE == 1:
+            if PROLOGUE == RMS_NORM_C:
                 squares += tile_squares
         acc += part
         w_ptrs += BLOCK_K
@@ -458,7 +462,7 @@ def _skinny_mm_kernel(
             for s in range(1, num_splits):
                 acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
     if last:  # the norm, the scales not applied yet, then bias
-        if PROLOGUE == 1:  # RMS_NORM (never split: each program sums all of K's squares)
+        if PROLOGUE == RMS_NORM_C:  # never split: each program sums all of K's squares
             acc *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if SCALED:
             if not SCALE_ALONG_K:
@@ -508,10 +512,14 @@ def run_skinny_mm(
         if config.split_k > 1:  # each program needs the squares of the whole row
             config = dataclasses.replace(config, split_k=1)
         norm_weight = prologue.weight
+        if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+            raise ValueError(f"the RMSNorm prologue's weight must be a contiguous vector of {k}")
         if prologue.residual is not None:
-            residual, summed = as_rows(prologue.residual), as_rows(prologue.summed)
-            if residual.shape != x.shape or summed.shape != x.shape:
-                raise ValueError("the RMSNorm prologue's residual and sum must have x's shape")
+            residual, summed = as_rows(prologue.residual), prologue.summed
+            if summed is None or summed.shape != prologue.residual.shape or not summed.is_contiguous():
+                raise ValueError("the RMSNorm prologue's residual needs a contiguous sum buffer of its shape")
+            if residual.shape != x.shape:
+                raise ValueError("the RMSNorm prologue's residual must have x's shape")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     scaled = ws is not None
