@@ -169,6 +169,18 @@ def getitem_users(node: Node) -> dict[int, Node] | None:
     return found
 
 
+def normalized_value(node: Node) -> tuple[Node, dict[int, Node] | None] | None:
+    """For an `rms_norm` call: (it, None); for a `fused_add_rms_norm` used only through getitems: (its normalised
+    output's getitem, the getitems by index); else None."""
+    if is_call(node, op("rms_norm")):
+        return node, None
+    if is_call(node, op("fused_add_rms_norm")):
+        outputs = getitem_users(node)
+        if outputs and 0 in outputs:
+            return outputs[0], outputs
+    return None
+
+
 def output_of(node: Node) -> tuple[Node, int] | None:
     """(producer, index) when `node` is `producer[index]`."""
     if node.op == "call_function" and node.target is operator.getitem:

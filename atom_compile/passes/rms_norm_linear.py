@@ -23,8 +23,8 @@ from atom_compile.passes.registry import (
     PatternPass,
     call_args,
     erase,
-    getitem_users,
     is_call,
+    normalized_value,
     op,
     register_pass,
     replace_outputs,
@@ -58,16 +58,14 @@ class RMSNormLinear(PatternPass):
     """RMSNorm (+ residual add) followed by its one projection -> one fused op."""
 
     def match(self, node: Node) -> Match | None:
-        if is_call(node, op("rms_norm")):
-            linear = only_linear_user(node)
-            return Match(node, linear, None) if linear else None
-        if is_call(node, op("fused_add_rms_norm")):
-            outputs = getitem_users(node)
-            linear = only_linear_user(outputs[0]) if outputs and 0 in outputs else None
-            if linear is None or (1 in outputs and used_between(outputs[1], node, linear)):
-                return None  # the fused op replaces the norm where the linear is: the sum is not there before it
-            return Match(node, linear, outputs)
-        return None
+        found = normalized_value(node)
+        linear = only_linear_user(found[0]) if found else None
+        if linear is None:
+            return None
+        outputs = found[1]
+        if outputs is not None and 1 in outputs and used_between(outputs[1], node, linear):
+            return None  # the fused op replaces the norm where the linear is: the sum is not there before it
+        return Match(node, linear, outputs)
 
     def replace(self, graph: Graph, m: Match) -> None:
         fused_op = op("rms_norm_linear") if m.norm_outputs is None else op("fused_add_rms_norm_linear")

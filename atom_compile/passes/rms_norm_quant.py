@@ -23,6 +23,7 @@ from atom_compile.passes.registry import (
     erase,
     getitem_users,
     is_call,
+    normalized_value,
     op,
     register_pass,
     replace_outputs,
@@ -38,7 +39,7 @@ class Match:
 
 def group_size(quant: Node) -> int:
     """The scale groups of a `quant_fp8_per_token` call (0: one scale a token)."""
-    return quant.args[1] if len(quant.args) > 1 else quant.kwargs.get("group_size", 0)
+    return call_args(quant)[1]
 
 
 def quantized_users(value: Node) -> list[Node] | None:
@@ -53,15 +54,9 @@ class RMSNormQuant(PatternPass):
     """RMSNorm (+ residual add) followed by FP8 per-token quantization -> one fused op."""
 
     def match(self, node: Node) -> Match | None:
-        if is_call(node, op("rms_norm")):
-            quants = quantized_users(node)
-            return Match(node, quants, None) if quants else None
-        if is_call(node, op("fused_add_rms_norm")):
-            outputs = getitem_users(node)
-            if outputs and 0 in outputs:
-                quants = quantized_users(outputs[0])
-                return Match(node, quants, outputs) if quants else None
-        return None
+        found = normalized_value(node)
+        quants = quantized_users(found[0]) if found else None
+        return Match(node, quants, found[1]) if quants else None
 
     def replace(self, graph: Graph, m: Match) -> None:
         fused_op = op("rms_norm_quant_fp8") if m.norm_outputs is None else op("fused_add_rms_norm_quant_fp8")

@@ -562,7 +562,7 @@ def run_skinny_mm(
             USE_DOT=config.dot,
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             **constants,
-            **(pdl_launch(x.device) if config.dot or w_q.nbytes <= GEMV_PDL_MAX_BYTES else {"USE_PDL": False}),
+            **pdl_launch(x.device, wanted=config.dot or w_q.nbytes <= GEMV_PDL_MAX_BYTES),
         )
     return out.reshape(*x_q.shape[:-1], n)
 
