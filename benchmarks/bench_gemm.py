@@ -47,22 +47,31 @@ def timed(timer: str, weight: torch.Tensor, call) -> float:
     return graph_ms([partial(call, copy) for copy in copies], 5, 20) * 1e3
 
 
-def skinny_sweep_configs(m: int, block: bool, weight_bytes: int = 1) -> list[gemm.SkinnyConfig]:
+def skinny_sweep_configs(m: int, block: bool, n: int, k: int, weight_bytes: int = 1) -> list[gemm.SkinnyConfig]:
     """The one-token GEMV's tiles (M = 1, per-row or no scales), and the MMA's tile widths, K tiles, splits, depths.
 
     K tiles are in weight bytes (512 bytes: 512 fp8 or 256 bf16 columns); block scales cap them at 128 columns.
+    A small weight's GEMV (launched with PDL) takes K slices of one tile (weight first) of 1 to 8 rows instead.
     """
-    gemv = [
-        gemm.SkinnyConfig(block_n, block_bytes // weight_bytes, 1, warps, stages, False)
-        for block_n, block_bytes, warps, stages in product((8, 16), (512, 1024), (2, 4), (2, 4))
-    ]
+    if n * k * weight_bytes <= gemm.GEMV_PDL_MAX_BYTES:
+        widths = [1 << e for e in range(10, triton.next_power_of_2(k).bit_length())] or [triton.next_power_of_2(k)]
+        gemv = [
+            gemm.SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), warps, 1, False)
+            for block_n, block_k, warps in product((1, 2, 4, 8), widths, (4, 8))
+            if block_n * block_k * weight_bytes <= 64 << 10
+        ]
+    else:
+        gemv = [
+            gemm.SkinnyConfig(block_n, block_bytes // weight_bytes, 1, warps, stages, False)
+            for block_n, block_bytes, warps, stages in product((8, 16), (512, 1024), (2, 4), (2, 4))
+        ]
     mma = [
         gemm.SkinnyConfig(block_n, block_k, split_k, 4, stages, True)
         for block_n, block_k, split_k, stages in product(
             (64, 128), (128,) if block else (256 // weight_bytes, 512 // weight_bytes), (1, 2, 4, 8), (4, 5, 6)
         )
     ]
-    return (gemv if m == 1 and not block else []) + mma
+    return gemv if m == 1 and not block else mma  # at M = 1 the GEMV beat every MMA config
 
 
 def config_name(config: gemm.SkinnyConfig) -> str:
@@ -73,7 +82,7 @@ def config_name(config: gemm.SkinnyConfig) -> str:
 def sweep_skinny(timer: str, weight: torch.Tensor, run, m: int, block: bool) -> dict:
     """Every skinny config (that fits in shared memory) for one weight layout, best first."""
     results = []
-    for config in skinny_sweep_configs(m, block, weight.element_size()):
+    for config in skinny_sweep_configs(m, block, *weight.shape, weight.element_size()):
         try:
             results.append((timed(timer, weight, partial(run, config=config)), config))
         except OutOfResources:

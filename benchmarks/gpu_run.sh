@@ -21,12 +21,13 @@ for stage in "$@"; do
     fp8) python3 benchmarks/bench_fp8.py --stages gemm decode --out "$OUT/fp8.json" 2>&1 | grep -v Warning | tail -30 ;;
     fp8-offline) python3 benchmarks/bench_fp8.py --stages offline --offline-prompts ${OFFLINE_PROMPTS:-400} --out "$OUT/fp8-offline.json" 2>&1 | grep -v Warning | tail -12 ;;
     gemm) python3 -m pytest -q tests/test_triton_kernels.py -k linear 2>&1 | tail -2
-      python3 benchmarks/bench_gemm.py --sweep --sweep-ms ${SWEEP_MS:-1 8} --out "$OUT/gemm.json" 2>&1 \
+      python3 benchmarks/bench_gemm.py --presets ${GEMM_PRESETS:-llama-3-8b qwen3-0.6b} --ms ${GEMM_MS:-1 8 16} \
+        --sweep --sweep-ms ${SWEEP_MS:-1 8} --out "$OUT/gemm.json" 2>&1 \
         | grep -v -e Warning -e "M=" | tee "$OUT/gemm.log" | tail -80 ;;
     kernels) python3 benchmarks/bench_kernels.py ${KERNELS_SWEEP:+--sweep} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
-    decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400 --profile \
+    decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes ${DECODE_BATCHES:-1 8 64 256} --context 400 --profile \
              --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
-    decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256 --context 400 --profile \
+    decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes ${DECODE_BATCHES:-1 8 64 256} --context 400 --profile \
              --out "$OUT/decode-llama-3-8b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
     offline-8b) python3 benchmarks/bench_offline.py --preset llama-3-8b --num-prompts 1000 --input-len 1024 \
              --output-len 1024 --out "$OUT/offline-llama-3-8b.json" 2>&1 | grep -v Warning | tail -8 ;;

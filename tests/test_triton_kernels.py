@@ -171,9 +171,10 @@ def test_quant_fp8_per_token(shape, group):
     assert_fp8_close((q, scale), (q_ref, scale_ref), group)
 
 
-LINEAR_CONFIGS = [  # (m, config): the one-token GEMV, uneven K splits, narrow and wide MMA tiles
+LINEAR_CONFIGS = [  # (m, config): the one-token GEMV (weight first: K slices of one tile), uneven K splits, MMAs
     (1, None),
     (1, gemm.SkinnyConfig(8, 128, 3, 2, 2, False)),
+    (1, gemm.SkinnyConfig(4, 64, 4, 4, 1, False)),
     (3, None),
     (5, gemm.SkinnyConfig(32, 64, 3, 4, 3, True)),
     (16, gemm.SkinnyConfig(64, 32, 2, 4, 2, True)),
@@ -210,7 +211,23 @@ def fused_linear_case(prologue: str, m: int, n: int, k: int, dtype: torch.dtype 
     return (x, residual, g, 1e-6, w, b), reference, gemm.RMSNormPrologue(g, 1e-6, residual, summed)
 
 
-GEMV_CONFIGS = [None, gemm.SkinnyConfig(8, 128, 3, 2, 2, False), gemm.SkinnyConfig(16, 64, 1, 4, 3, False)]
+GEMV_CONFIGS = [  # weight-first (one tile a program; and split in K slices of one tile), and a pipelined loop
+    None,
+    gemm.SkinnyConfig(4, 64, 4, 4, 1, False),
+    gemm.SkinnyConfig(8, 128, 3, 2, 2, False),
+    gemm.SkinnyConfig(16, 64, 1, 4, 3, False),
+]
+
+
+@pytest.mark.parametrize("n,k,weight_bytes", [(1024, 3072, 2), (4096, 1024, 2), (1024, 2048, 1), (4096, 4096, 2)])
+def test_gemv_config(n, k, weight_bytes):
+    """One token: weights up to GEMV_PDL_MAX_BYTES take K slices of one tile (weight first), larger ones the loop."""
+    config = gemm.skinny_config(1, n, k, k, torch.device("cpu"), weight_bytes)
+    assert not config.dot
+    slice_cols = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    tile_bytes = config.block_n * config.block_k * weight_bytes
+    weight_first = slice_cols == config.block_k and tile_bytes <= gemm.GEMV_TILE_BYTES
+    assert weight_first == (n * k * weight_bytes <= gemm.GEMV_PDL_MAX_BYTES)
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS)

@@ -292,6 +292,8 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     """
     sms = _multiprocessors(device)
     long_n = triton.cdiv(n, 64) >= 2 * sms
+    if m == 1 and scale_k >= k and n * k * weight_bytes <= GEMV_PDL_MAX_BYTES:
+        return _weight_first_gemv_config(n, k, weight_bytes, sms)
     if m == 1 and scale_k >= k:
         block_n, block_k, num_warps, num_stages, dot = 8, 512 // weight_bytes, 2, 4, False
     else:
@@ -302,6 +304,23 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     while programs * split_k * 2 * block_k * weight_bytes <= budget and k // (split_k * 2) >= 4 * block_k:
         split_k *= 2
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
+
+
+# Weight bytes a program of the weight-first GEMV holds in registers.
+GEMV_TILE_BYTES = 32 << 10
+
+
+def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> SkinnyConfig:
+    """The one-token GEMV of a small weight (launched with PDL): each program's K slice is one tile, loaded
+    before it waits for the kernel that writes x, so the weight streams in while that kernel finishes.
+
+    Slices of up to 4096 columns; tiles of at most GEMV_TILE_BYTES, narrowed to 2 programs a multiprocessor.
+    """
+    block_k = min(triton.next_power_of_2(k), 4096)
+    block_n = max(1, min(8, GEMV_TILE_BYTES // (block_k * weight_bytes)))
+    while block_n > 1 and triton.cdiv(n, block_n) * triton.cdiv(k, block_k) < 2 * sms:
+        block_n //= 2
+    return SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), 4, 1, False)
 
 
 # What `_skinny_mm_kernel`'s one-token GEMV does to x before multiplying: the op in front of a decode projection,
@@ -392,6 +411,7 @@ def _skinny_mm_kernel(
     USE_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
@@ -409,6 +429,9 @@ def _skinny_mm_kernel(
     multiplied by x on the CUDA cores; no padding at all, a few percent faster at M = 1. Block scales
     (MMA only) multiply each K tile's partial, so a K tile must lie in one scale block.
 
+    WEIGHT_FIRST: each K slice is one tile, loaded before the PDL wait (the weight does not depend on the
+    kernel before; on a small weight its stream then overlaps that kernel's tail instead of following it).
+
     Split K: program (n tile, slice) stores its fp32 partial to `part_ptr` [num_splits, M, N] and takes
     a ticket; the slice that arrives last sums the partials in slice order (deterministic) and
     writes the output, so one launch does it all and nothing synchronises with the host.
@@ -422,8 +445,10 @@ def _skinny_mm_kernel(
     m_ok = offs_m < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    wait_for_previous_kernel(USE_PDL)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if WEIGHT_FIRST:  # nothing writes the weight: load it while the kernel that writes x may still run
+        w_first = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < k_end - k_start)[None, :], other=0.0)
+    wait_for_previous_kernel(USE_PDL)
     ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_wsn
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -431,7 +456,10 @@ def _skinny_mm_kernel(
     store_sum = pid_n == 0  # one program writes the residual sum
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = offs_k < k_end - k0
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if WEIGHT_FIRST:
+            w = w_first
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
             x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
             part = tl.dot(w, tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0))
@@ -561,6 +589,7 @@ def run_skinny_mm(
             SPLIT=split_k > 1,
             USE_DOT=config.dot,
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
+            WEIGHT_FIRST=k_per_split == config.block_k,
             **constants,
             **pdl_launch(x.device, wanted=config.dot or w_q.nbytes <= GEMV_PDL_MAX_BYTES),
         )
