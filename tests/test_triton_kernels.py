@@ -8,6 +8,7 @@ would send CPU tensors to the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -422,11 +423,14 @@ ATTN_CASES = [
 ]
 
 
-def check_attention(q_heads, kv_heads, head_dim, block_size, lens, padding=3, kv_dtype=DTYPE, tol=ATTN_TOL):
+def check_attention(
+    q_heads, kv_heads, head_dim, block_size, lens, padding=3, kv_dtype=DTYPE, tol=ATTN_TOL, config=None
+):
     q, cache, tables, seq_lens, qsl = attention_batch(lens, q_heads, kv_heads, head_dim, block_size, padding, kv_dtype)
     scale = head_dim**-0.5
     poison_allocator(q.shape, q.dtype)
-    out = attention.paged_attention(q, cache, tables, seq_lens, qsl, scale)
+    config = config or attention.default_config(head_dim)
+    out = attention.run_paged_attention(q, cache, tables, seq_lens, qsl, scale, config)
     ref = paged_attention_reference(q, cache, tables, seq_lens, qsl, scale)
     real = int(qsl[-1])
     assert torch.equal(out[real:], torch.zeros_like(out[real:])), "padding tokens must read as zeros"
@@ -457,6 +461,16 @@ def test_paged_attention_decode_only_batch(q_heads, kv_heads, head_dim, block_si
     """One query token a sequence and no padding: the decode-only kernel, with several splits to merge."""
     check_attention(q_heads, kv_heads, head_dim, block_size, [(1, 23), (1, 5), (1, 40), (1, 1), (1, 16)], padding=0)
     check_attention(q_heads, kv_heads, head_dim, block_size, [(1, 37)], padding=0)
+
+
+@pytest.mark.parametrize("padding", [0, 2])
+def test_paged_attention_decode_tiles(padding):
+    """Decode splits of one key tile and of several, with a partial last tile (the other tests' contexts fit one
+    128-key tile): 16-key decode tiles and one program a multiprocessor (on CPU, 4: one or two splits a sequence)."""
+    config = dataclasses.replace(attention.default_config(16), decode_block_n=16, decode_waves=1)
+    check_attention(4, 2, 16, 4, [(1, 37)], padding=padding, config=config)  # 2 splits of 2 tiles, the last partial
+    check_attention(4, 2, 16, 4, [(1, 30)], padding=padding, config=config)  # 2 splits of one tile
+    check_attention(4, 2, 16, 4, [(1, 30), (1, 16), (1, 1), (1, 33)], padding=padding, config=config)  # 1 split
 
 
 def test_paged_attention_fp8_cache():
