@@ -71,6 +71,10 @@ for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (True, 16, 64, 32), 
     norm_constexprs = {**constexprs, "SPLIT": False, "PROLOGUE": gemm.RMS_NORM}
     build(gemm._skinny_mm_kernel, norm_pointers, norm_constexprs, num_warps=2)
     build(gemm._skinny_mm_kernel, norm_pointers, {**norm_constexprs, "res_ptr": None, "sum_ptr": None}, num_warps=2)
+# the weight-first GEMV of small weights: one 4 x 4096 tile a program, loaded before the PDL wait
+weight_first = {**unscaled, "HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 4096, "USE_DOT": False}
+weight_first |= {"NUM_STAGES": 1, "WEIGHT_FIRST": True, "PROLOGUE": gemm.RMS_NORM, "SPLIT": False}
+build(gemm._skinny_mm_kernel, {**bf16_gemm, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}, weight_first, num_warps=8)
 for fp8_cache in (False, True):
     cache = FP8 if fp8_cache else BF16
     pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}
