@@ -314,16 +314,13 @@ def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> Sk
     """The one-token GEMV of a small weight (launched with PDL): each program's K slice is one tile, loaded
     before it waits for the kernel that writes x, so the weight streams in while that kernel finishes.
 
-    Slices of up to 4096 columns, 4 rows a program (fewer if a tile would pass GEMV_TILE_BYTES, or the programs
-    2 a multiprocessor), 8 warps for a full tile. In `bench_gemm.py --sweep` (H100, a272b27) 4 rows were within
-    noise of the best on Qwen3-0.6B's projections, where 8 lost up to 7% (gate_up) and 1-2 rows up to 40%.
+    Slices of up to 4096 columns; tiles of at most GEMV_TILE_BYTES, narrowed to 2 programs a multiprocessor.
     """
     block_k = min(triton.next_power_of_2(k), 4096)
-    block_n = max(1, min(4, GEMV_TILE_BYTES // (block_k * weight_bytes)))
+    block_n = max(1, min(8, GEMV_TILE_BYTES // (block_k * weight_bytes)))
     while block_n > 1 and triton.cdiv(n, block_n) * triton.cdiv(k, block_k) < 2 * sms:
         block_n //= 2
-    num_warps = 8 if block_n * block_k * weight_bytes >= GEMV_TILE_BYTES else 4
-    return SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), num_warps, 1, False)
+    return SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), 4, 1, False)
 
 
 # What `_skinny_mm_kernel`'s one-token GEMV does to x before multiplying: the op in front of a decode projection,
