@@ -236,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
+    parser.add_argument("--only", choices=["prefill", "decode", "rows"], help="one group of cases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
@@ -247,19 +248,22 @@ def main() -> None:
     copy_tbps = copy_bandwidth() / 1e12
     rows = [dict(case="copy 2 GiB", kernel="torch copy_", ms=0.0, tbps=copy_tbps)]
     print_rows(rows)
-    steps = [
-        partial(bench_prefill, 8, 1024, configs, check=True),
-        partial(bench_prefill, 1, 8192, configs[:1], check=False),
-    ]
+    steps = {
+        "prefill": [
+            partial(bench_prefill, 8, 1024, configs, check=True),
+            partial(bench_prefill, 1, 8192, configs, check=False),
+        ],
+        "decode": [],
+        "rows": [partial(bench_row_kernels, copy_tbps)],
+    }
     gen = torch.Generator().manual_seed(1)
     for batch, ctx in ((64, 2048), (128, 1536), (256, 1024)):
         mixed = torch.randint(1024, 2049, (batch,), generator=gen).tolist()
-        steps.append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", configs, sdpa=True))
-        steps.append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", configs[:1], sdpa=False))
-    steps.append(partial(bench_decode, [4096], "b1 ctx4096", configs, sdpa=True))
-    steps.append(partial(bench_decode, [432], "b1 ctx432", configs, sdpa=True))  # bench_decode.py's batch 1
-    steps.append(partial(bench_row_kernels, copy_tbps))
-    for step in steps:
+        steps["decode"].append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", configs, sdpa=True))
+        steps["decode"].append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", configs[:1], sdpa=False))
+    steps["decode"].append(partial(bench_decode, [4096], "b1 ctx4096", configs, sdpa=True))
+    steps["decode"].append(partial(bench_decode, [432], "b1 ctx432", configs, sdpa=True))  # bench_decode.py's batch 1
+    for step in steps[args.only] if args.only else [s for group in steps.values() for s in group]:
         new_rows = step()
         print_rows(new_rows)
         rows += new_rows
