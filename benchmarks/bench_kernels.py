@@ -203,17 +203,17 @@ def sweep_configs(base: attention.AttentionConfig) -> list[attention.AttentionCo
         + [
             replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
             for m, n, w, s in [
-                (128, 32, 4, 4),
+                (128, 32, 4, 3),
                 (128, 64, 4, 3),
-                (128, 64, 8, 2),
-                (128, 64, 8, 3),
                 (128, 128, 8, 3),
                 (256, 32, 8, 3),
-                (256, 64, 8, 3),
+                (256, 128, 8, 3),
+                (256, 64, 8, 4),
                 (64, 32, 4, 4),
             ]
         ]
         + [replace(base, decode_block_n=n, decode_waves=waves) for n, waves in [(32, 4), (64, 4), (128, 8)]]
+        + [replace(base, decode_warps=8)]
     )
 
 

@@ -87,9 +87,11 @@ for fp8_cache in (False, True):
         build(rotary_cache._rope_cache_kernel, pointers, constexprs, num_warps=4)
     pointers = {"q_ptr": BF16, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": BF16, "tickets_ptr": I32}
     pointers |= {"block_tables_ptr": I32, "seq_lens_ptr": I32, "query_start_loc_ptr": I32}
+    config = attention.default_config(128)
     for decode_only in (False, True):
-        tiles = {"BLOCK_Q": 32, "BLOCK_N": 32, "DECODE_ROWS": 16, "DECODE_BLOCK_N": 128, "BLOCK_SIZE": 16}
+        tiles = {"BLOCK_Q": config.block_m // 4, "BLOCK_N": config.block_n, "DECODE_ROWS": 16, "BLOCK_SIZE": 16}
         constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": attention.MAX_SPLITS}
-        constexprs |= {"KV_SCALES": fp8_cache, "DECODE_ONLY": decode_only}
-        build(attention._attention_kernel, pointers, constexprs, num_warps=4, num_stages=3)
+        constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "KV_SCALES": fp8_cache, "DECODE_ONLY": decode_only}
+        warps = config.decode_warps if decode_only else config.num_warps
+        build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=config.num_stages)
 print("all kernels lowered for sm_90")

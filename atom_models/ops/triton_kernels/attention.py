@@ -51,9 +51,9 @@ MAX_SPLITS = 64
 class AttentionConfig:
     """Tile sizes and launch parameters.
 
-    `block_m` rows (tokens x heads of a group) and `block_n` keys per prefill tile;
-    `decode_block_n` keys per decode tile; the decode grid aims at `decode_waves` programs per
-    multiprocessor (at most MAX_SPLITS splits a sequence).
+    `block_m` rows (tokens x heads of a group) and `block_n` keys per prefill tile, `num_warps` for launches
+    with prefill tiles; `decode_block_n` keys per decode tile; the decode grid aims at `decode_waves` programs
+    per multiprocessor (at most MAX_SPLITS splits a sequence); `decode_warps` for decode-only launches.
     """
 
     block_m: int
@@ -62,17 +62,18 @@ class AttentionConfig:
     num_stages: int
     decode_block_n: int
     decode_waves: int
+    decode_warps: int
 
 
 def default_config(head_dim: int) -> AttentionConfig:
-    # From `benchmarks/bench_kernels.py --sweep` on H100 (head_dim 128, GQA 32/8): 4 warps with
-    # 128x32 prefill tiles led every prefill sweep (8 warps or 64-row tiles: 10-20% slower), and
-    # 128-key decode tiles led decode at batch 64-256, best with 4 programs a multiprocessor (batch 128:
-    # 2.81 TB/s against 2.69 with 8; batch 1 at context 4096 the same). Larger head dims halve the
-    # tiles (unmeasured).
+    # From `benchmarks/bench_kernels.py --sweep` on H100 (head_dim 128, GQA 32/8). Prefill (5055e01): 256x64
+    # tiles with 8 warps led both cases (8x1024 causal 261 TFLOP/s against 255 for the 128x32 / 4 warps of
+    # before, 1x8192 426 against 351); 128x128 / 8 warps 238 / 388. Decode: 128-key tiles led at batch 64-256,
+    # best with 4 programs a multiprocessor (batch 128: 2.81 TB/s against 2.69 with 8) and 4 warps (8 warps:
+    # batch 1 at context 4096 0.81 TB/s against 1.00). Larger head dims halve the tiles (unmeasured).
     if head_dim > 128:
-        return AttentionConfig(64, 32, 4, 2, 64, 4)
-    return AttentionConfig(128, 32, 4, 3, 128, 4)
+        return AttentionConfig(64, 32, 4, 2, 64, 4, 4)
+    return AttentionConfig(256, 64, 8, 3, 128, 4, 4)
 
 
 @triton.jit
@@ -629,7 +630,7 @@ def run_paged_attention(
         SPLITS=MAX_SPLITS,
         KV_SCALES=kv_scales,
         DECODE_ONLY=decode_only,
-        num_warps=config.num_warps,
+        num_warps=config.decode_warps if decode_only else config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch(q.device),
     )
