@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
-# Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL: serving compiles nothing? gain?), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
+# Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL; at 5055e01 serving compiled two of them, so not adopted), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
 #         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
 #         train-demo (the demo model, to $OUT/demo.tar.part-*; needs carry demo_corpus/{train,valid,chat}.txt,
 #         corpus.json, LICENSE-PSF.txt).

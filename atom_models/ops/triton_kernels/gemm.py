@@ -314,7 +314,9 @@ def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> Sk
     """The one-token GEMV of a small weight (launched with PDL): each program's K slice is one tile, loaded
     before it waits for the kernel that writes x, so the weight streams in while that kernel finishes.
 
-    Slices of up to 4096 columns; tiles of at most GEMV_TILE_BYTES, narrowed to 2 programs a multiprocessor.
+    Slices of up to 4096 columns; tiles of at most 8 rows and GEMV_TILE_BYTES, narrowed to 2 programs a
+    multiprocessor. Qwen3-0.6B's projections at M = 1 (H100, a272b27, graph replays): 2.7-3.9 us against 3.9-5.2
+    for the pipelined loop, except gate_up (6.6 against 6.3); tile shapes other than single rows within ~7%.
     """
     block_k = min(triton.next_power_of_2(k), 4096)
     block_n = max(1, min(8, GEMV_TILE_BYTES // (block_k * weight_bytes)))
