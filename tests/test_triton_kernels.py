@@ -465,8 +465,8 @@ def test_paged_attention_decode_only_batch(q_heads, kv_heads, head_dim, block_si
 
 @pytest.mark.parametrize("padding", [0, 2])
 def test_paged_attention_decode_tiles(padding):
-    """Decode splits of one key tile and of several, with a partial last tile (the other tests' contexts fit one
-    128-key tile): 16-key decode tiles and one program a multiprocessor (on CPU, 4: one or two splits a sequence)."""
+    """Decode splits of one key tile and of several, with a partial last tile (the other CPU tests' contexts fit
+    one 128-key tile): 16-key decode tiles and one program a multiprocessor (on CPU, 4: 1-2 splits a sequence)."""
     config = dataclasses.replace(attention.default_config(16), decode_block_n=16, decode_waves=1)
     check_attention(4, 2, 16, 4, [(1, 37)], padding=padding, config=config)  # 2 splits of 2 tiles, the last partial
     check_attention(4, 2, 16, 4, [(1, 30)], padding=padding, config=config)  # 2 splits of one tile
