@@ -3,11 +3,22 @@
 Run by tests/test_triton_kernels.py in a process of its own (Triton's interpreter, which the other tests use,
 must be off when kernels are defined). The interpreter executes kernels as numpy; this catches what only
 lowering does (layouts, reshapes, dtypes, register limits).
+
+    python tests/sm90_lowering.py --registers   # also each variant's registers and spill bytes (ptxas -v)
+
+Registers per thread decide how many programs a multiprocessor holds; spills go through local memory. Both
+are worth a look, GPU or not, before timing a kernel change.
 """
+
+import re
+import subprocess
+import sys
+import tempfile
 
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from atom_models.ops.triton_kernels import activation, attention, gemm, norm, quant, rotary_cache
@@ -37,6 +48,21 @@ def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None
     assert "cubin" in compiled.asm
     ptx = compiled.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == constexprs.get("USE_PDL", False)
+    if "--registers" in sys.argv:
+        report_registers(kernel.__name__, ptx, constexprs, options)
+
+
+def report_registers(name: str, ptx: str, constexprs: dict, options: dict) -> None:
+    """One line: the kernel, its registers a thread and spill-store bytes (ptxas -v), its warps and constexprs."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        command = [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"]
+        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", log).group(1)
+    spills = re.search(r"(\d+) bytes spill stores", log).group(1)
+    shown = {k: v for k, v in constexprs.items() if isinstance(v, int | bool) and k != "USE_PDL"}
+    print(f"{name:<28} regs {registers:>3}  spill {spills:>5} B  warps {options.get('num_warps')}  {shown}")
 
 
 for block, group in [(1024, 1024), (1024, 128), (4096, 128), (64, 64)]:
