@@ -182,15 +182,15 @@ class CoreProcess:
         while True:
             try:
                 return self._messages.get(timeout=1.0)
-            except Exception as error:  # noqa: BLE001  (an unreadable message would leave every request waiting)
-                if not isinstance(error, queue.Empty):
-                    return ("dead", RuntimeError(f"a message from the engine process could not be read: {error!r}"))
+            except queue.Empty:
                 if not self._process.is_alive():
                     try:
                         return self._messages.get(timeout=0.1)  # written just before it exited
                     except queue.Empty:
                         code = self._process.exitcode
                         return ("dead", RuntimeError(f"the engine process exited with status {code}"))
+            except Exception as error:  # noqa: BLE001  (an unreadable message would leave every request waiting)
+                return ("dead", RuntimeError(f"a message from the engine process could not be read: {error!r}"))
 
     def start(self, post: Post) -> None:
         self._reader = threading.Thread(target=self._read, args=(post,), name="atom-engine-reader", daemon=True)

@@ -14,7 +14,6 @@ and gate_up projections. FP8 projections take `rms_norm_quant`.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 from torch.fx import Graph, Node
@@ -76,10 +75,7 @@ class RMSNormLinear(PatternPass):
             m.linear.replace_all_uses_with(fused)
             erase(graph, m.linear, m.norm)
             return
-        with graph.inserting_after(fused):
-            out = graph.call_function(operator.getitem, (fused, 0))
-        out.meta.update(m.linear.meta)
-        m.linear.replace_all_uses_with(out)
+        replace_outputs({0: m.linear}, fused, graph, {0: 0})
         erase(graph, m.linear)
         if 1 in m.norm_outputs:  # the residual sum
             replace_outputs({1: m.norm_outputs[1]}, fused, graph, {1: 1})
