@@ -1,14 +1,17 @@
 """Paged attention over mixed batches: causal prefill chunks and split-KV decode in one launch.
 
 One kernel, `_attention_kernel`, with a grid sized from tensor shapes alone (a step can be
-captured in a CUDA graph; nothing synchronises with the host). Along axis 1 runs the KV head;
-axis 0 holds two kinds of program:
+captured in a CUDA graph; nothing synchronises with the host). Along axis 0 runs the KV head (the
+fastest-varying index, so programs are dispatched head by head within each program index);
+axis 1 holds two kinds of program:
 
 - `seqs * splits` decode programs (flash-decoding). For a sequence with exactly one query
   token, program (seq, split) attends over one slice of the context; splitting lets even a
   single long sequence use every multiprocessor. Each writes its partial output and
   log-sum-exp to scratch and takes a ticket; the split that arrives last merges the partials
   into the output and resets the ticket counter. Programs of other sequences do nothing.
+  Split-major order: a short context uses only its first splits, and those of every sequence
+  and head come first, in the first wave, ahead of the programs that find nothing to do.
 - query-tile programs. Tiles cover the flat token dimension as `query_start_loc[s] // BLOCK_Q
   + s + j` (sequence s, tile j), so there are at most `cdiv(tokens, BLOCK_Q) + seqs` of them and
   each finds its sequence by counting the sequences that start before it. A tile of a prefill
@@ -45,6 +48,7 @@ LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
 EMPTY_LSE = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the programs of one KV head)
 
 
 @dataclass(frozen=True)
@@ -470,16 +474,16 @@ def _attention_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    num_kv_heads = tl.num_programs(1)
+    kv_head = tl.program_id(0)
+    num_kv_heads = tl.num_programs(0)
+    pid = tl.program_id(1)
     if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     else:
         v_scale = 1.0
     if pid < num_seqs * num_splits:
-        seq = pid // num_splits
+        seq = pid % num_seqs
         if DECODE_ONLY:  # one query token a sequence: sequence i's token is token i
             q_start = seq
             q_end = seq + 1
@@ -498,7 +502,7 @@ def _attention_kernel(
                 part_lse_ptr,
                 tickets_ptr + seq * num_kv_heads + kv_head,
                 seq,
-                pid % num_splits,
+                pid // num_seqs,
                 kv_head,
                 num_kv_heads,
                 q_start,
@@ -530,7 +534,7 @@ def _attention_kernel(
             block_tables_ptr,
             seq_lens_ptr,
             query_start_loc_ptr,
-            tl.num_programs(0) - 1 - pid,
+            tl.num_programs(1) - 1 - pid,
             kv_head,
             num_seqs,
             num_tokens,
@@ -594,7 +598,10 @@ def run_paged_attention(
     # and a specialisation without the prefill path, which needs far fewer registers.
     decode_only = num_tokens == num_seqs
     num_tiles = 0 if decode_only else triton.cdiv(num_tokens, block_q) + num_seqs
-    _attention_kernel[(num_seqs * num_splits + num_tiles, num_kv_heads)](
+    programs = num_seqs * num_splits + num_tiles
+    if programs > MAX_GRID_Y:
+        raise ValueError(f"paged attention: {num_tokens} tokens need {programs} programs a head (max {MAX_GRID_Y})")
+    _attention_kernel[(num_kv_heads, programs)](
         q,
         k_cache,
         v_cache,
