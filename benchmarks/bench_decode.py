@@ -18,7 +18,7 @@ import contextlib
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -161,31 +161,153 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
     return summary
 
 
+@contextlib.contextmanager
+def decode_graph_inputs(llm: LLM, batch: int, context: int) -> Iterator[bool]:
+    """Load the runner's inputs for a decode step of `batch` sequences of `context` tokens (False if no graph).
+
+    Their KV-cache blocks are allocated (random content) and freed on exit.
+    """
+    core = llm.engine.core
+    runner, blocks = core.runner, core.block_manager
+    if runner.graphs is None or batch not in runner.graphs.graphs:
+        yield False
+        return
+    seqs = [Sequence(f"graph-{i}", 0, [0] * context, SamplingParams()) for i in range(batch)]
+    try:
+        for seq in seqs:
+            if not blocks.allocate(seq, context):
+                raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
+        runner.inputs.load([ScheduledChunk(s, context - 1, 1) for s in seqs], pad_seqs_to=batch)
+        yield True
+    finally:
+        for seq in seqs:
+            blocks.free(seq)
+
+
 def graph_step_ms(llm: LLM, batch: int, context: int, reps: int = 50) -> float | None:
     """Replay time of the batch-`batch` decode graph with every sequence `context` tokens long.
 
     The GPU time an engine step at that context cannot go below (its KV-cache reads included).
     """
-    core = llm.engine.core
-    runner, blocks = core.runner, core.block_manager
-    if runner.graphs is None or batch not in runner.graphs.graphs:
-        return None
-    seqs = [Sequence(f"graph-{i}", 0, [0] * context, SamplingParams()) for i in range(batch)]
-    for seq in seqs:
-        if not blocks.allocate(seq, context):
-            raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
-    runner.inputs.load([ScheduledChunk(s, context - 1, 1) for s in seqs], pad_seqs_to=batch)
-    for _ in range(5):
-        runner.graphs.replay(batch)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        runner.graphs.replay(batch)
-    end.record()
-    end.synchronize()
-    for seq in seqs:
-        blocks.free(seq)
+    graphs = llm.engine.core.runner.graphs
+    with decode_graph_inputs(llm, batch, context) as loaded:
+        if not loaded:
+            return None
+        for _ in range(5):
+            graphs.replay(batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graphs.replay(batch)
+        end.record()
+        end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def critical_path(replays: list[list[tuple[float, float, str]]]) -> dict:
+    """Per kernel name, what it adds to a replay's span: the step's critical path by kernel.
+
+    `replays`: each replay's GPU activities as (start, end, name), in µs. Kernels launch with PDL, so a
+    kernel starts early and its duration includes its wait for the one before: durations overcount. Each
+    kernel is credited instead with how far it pushes the replay's end, `end_i - max(end_<i, first start)`
+    (never below 0), so the credits of a replay sum to its span, first start to last end.
+    """
+    totals: dict[str, list[float]] = {}  # name -> [calls, increment, duration]
+    span = 0.0
+    for kernels in replays:
+        kernels = sorted(kernels)
+        reached = kernels[0][0]
+        for start, end, name in kernels:
+            entry = totals.setdefault(name, [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += max(0.0, end - reached)
+            entry[2] += end - start
+            reached = max(reached, end)
+        span += reached - kernels[0][0]
+    n = len(replays)
+    rows = [
+        {
+            "name": name,
+            "calls_per_step": calls / n,
+            "incremental_us_per_step": increment / n,
+            "duration_us_per_step": duration / n,
+            "share_of_step": increment / span if span else 0.0,
+        }
+        for name, (calls, increment, duration) in totals.items()
+    ]
+    rows.sort(key=lambda r: -r["incremental_us_per_step"])
+    return {
+        "replays": n,
+        "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+        "span_us_per_step": span / n,
+        "duration_us_per_step": sum(r["duration_us_per_step"] for r in rows),
+        "kernels": rows,
+    }
+
+
+def format_critical_path(profile: dict) -> str:
+    lines = [f"{'kernel':<60}  {'calls':>6}  {'incr us':>8}  {'dur us':>8}  {'share':>6}"]
+    for r in profile["kernels"]:
+        lines.append(
+            f"{r['name'][:60]:<60}  {r['calls_per_step']:>6.1f}  {r['incremental_us_per_step']:>8.2f}  "
+            f"{r['duration_us_per_step']:>8.2f}  {r['share_of_step']:>6.1%}"
+        )
+    lines.append(
+        f"{'total (span of a replay)':<60}  {profile['kernels_per_step']:>6.1f}  {profile['span_us_per_step']:>8.2f}  "
+        f"{profile['duration_us_per_step']:>8.2f}  {1:>6.1%}"
+    )
+    return "\n".join(lines)
+
+
+def split_replays(events: list[dict], reps: int) -> list[list[tuple[float, float, str]]] | str:
+    """A chrome trace's GPU activities as `reps` replays of (start, end, name), or why they are not."""
+    gpu = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    if not gpu:
+        return "CUPTI reported no kernels inside the graph replays"
+    # Replays run back to back on one stream, each the same kernel sequence: split the sorted list evenly.
+    per = len(gpu) // reps
+    replays = [gpu[i * per : (i + 1) * per] for i in range(reps)]
+    if len(gpu) % reps or any([n for *_, n in r] != [n for *_, n in replays[0]] for r in replays):
+        return f"the trace of {reps} replays held {len(gpu)} GPU activities, not {reps} equal sequences"
+    return replays
+
+
+def profile_graph(llm: LLM, batch: int, context: int, out: Path, reps: int = 20) -> dict:
+    """Where a decode graph replay's time goes, by kernel on the critical path (see `critical_path`).
+
+    The eager profile (`profile_step`) runs outside the graph, and its PDL kernels' durations include
+    their waits; this traces `reps` replays of the batch-`batch` graph at `context` tokens (the GPU
+    time of a real step) and writes the table to `out`.
+    """
+    graphs = llm.engine.core.runner.graphs
+    with decode_graph_inputs(llm, batch, context) as loaded:
+        if not loaded:
+            return {"error": f"no decode graph of batch {batch}"}
+        for _ in range(5):
+            graphs.replay(batch)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                graphs.replay(batch)
+            torch.cuda.synchronize()
+    trace = out.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    replays = split_replays(json.loads(trace.read_text())["traceEvents"], reps)
+    trace.unlink()
+    if isinstance(replays, str):
+        print(f"\ngraph replay profile, batch {batch}: {replays}")
+        out.write_text(replays + "\n")
+        return {"error": replays}
+    result = {"batch": batch, "context": context} | critical_path(replays)
+    title = f"decode graph replay, batch {batch}, context {context}, {reps} replays, per step:"
+    table = format_critical_path(result)
+    out.write_text(f"{title}\n{table}\n")
+    print(f"\n{title}\n{table}")
+    return result
 
 
 def main() -> None:
@@ -200,7 +322,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="also profile an eager step, and trace the engine at the smallest and the largest batch",
+        help="also profile an eager step and the decode graph's replays at the smallest batch, "
+        "and trace the engine at the smallest and the largest batch",
     )
     args = parser.parse_args()
     if args.steps < 1:
@@ -247,9 +370,15 @@ def main() -> None:
                     **phases,
                 }
             )
-        trace = None
+        trace = graph_profile = None
         if args.profile:
             profile_step(llm, min(args.batch_sizes), args.out.with_suffix(".profile.txt"))
+            graph_profile = profile_graph(
+                llm,
+                min(args.batch_sizes),
+                args.context + args.steps // 2,
+                args.out.with_name(f"{args.out.stem}-graph.txt"),
+            )
             trace = {}
             for batch in sorted({min(args.batch_sizes), max(args.batch_sizes)}):
                 prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
@@ -283,6 +412,7 @@ def main() -> None:
             "weight_bytes": weight_bytes,
             "rows": rows,
             "engine_trace": trace,
+            "graph_profile": graph_profile,
         },
     )
 
