@@ -42,7 +42,12 @@ from torch import Tensor
 
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
-from atom_models.ops.triton_kernels.common import pdl_launch, ticket_counters, wait_for_previous_kernel
+from atom_models.ops.triton_kernels.common import (
+    pdl_launch,
+    prefetch_to_l2,
+    ticket_counters,
+    wait_for_previous_kernel,
+)
 
 LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
@@ -343,6 +348,40 @@ def _decode_program(
 
 
 @triton.jit
+def _prefetch_decode_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    seq_len_ptr,
+    split,
+    num_splits,
+    kv_offset,
+    stride_kb,
+    stride_ks,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Ask L2 for the first key and value tile of a decode split, from lengths and pages read past L1.
+
+    Before the PDL wait, while the kernel before (which writes q and the newest key) may still run: the
+    lines are only a hint, and the split's program reads everything again, in order, after the wait.
+    """
+    seq_len = tl.load(seq_len_ptr, cache_modifier=".cg")
+    active = tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+    if split < active:
+        lo = split * tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N
+        n = lo + tl.arange(0, BLOCK_N)
+        page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n < seq_len, other=0, cache_modifier=".cg")
+        LINE: tl.constexpr = 128 // k_cache_ptr.dtype.element_ty.primitive_bitwidth * 8  # elements a 128-byte line
+        LINES: tl.constexpr = max(1, HEAD_DIM // LINE)
+        rows = page.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_offset
+        offs = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
+        prefetch_to_l2(k_cache_ptr + offs)
+        prefetch_to_l2(v_cache_ptr + offs)
+
+
+@triton.jit
 def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr):
     """The last sequence whose first tile is <= `tile` (num_seqs for tiles past every sequence).
 
@@ -473,10 +512,27 @@ def _attention_kernel(
     DECODE_ONLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     kv_head = tl.program_id(0)
     num_kv_heads = tl.num_programs(0)
     pid = tl.program_id(1)
+    if USE_PDL and DECODE_ONLY:  # noqa: SIM102 (constexprs apart: the branch is pruned at compile time)
+        if pid < num_seqs * num_splits:
+            seq = pid % num_seqs
+            _prefetch_decode_tile(
+                k_cache_ptr,
+                v_cache_ptr,
+                block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                seq_lens_ptr + seq,
+                pid // num_seqs,
+                num_splits,
+                kv_head * stride_kh,
+                stride_kb,
+                stride_ks,
+                HEAD_DIM,
+                DECODE_BLOCK_N,
+                BLOCK_SIZE,
+            )
+    wait_for_previous_kernel(USE_PDL)
     if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)

@@ -66,6 +66,15 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_to_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs` (valid addresses); nothing waits for them, and a hint that turns
+    out stale costs only bandwidth, so it may use addresses read before a PDL wait."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
 _tickets: dict[torch.device, torch.Tensor] = {}
 
 
