@@ -8,7 +8,8 @@
 gemm: for each Llama-3-8B projection (N x K) and M rows, the median time of bf16 cuBLAS, FP8
 cuBLASLt via torch._scaled_mm (row-wise and tensor-wise scales), our Triton tile GEMM and the
 skinny decode GEMM (each with 128x128 block scales and per-channel scales; the skinny one for
-M <= gemm.SKINNY_MAX_M, where the dispatch picks it), against the roofline: bytes the GEMM must
+M <= gemm.SKINNY_MAX_M, where the dispatch picks it; at M = 1 also the fp8_linear ops' weight-only GEMV of a
+bf16 x), against the roofline: bytes the GEMM must
 read and write (FP8 weight, its scales, x and out) over the copy bandwidth measured in the same
 run. `--timer graph` (the default) times CUDA-graph replays that call the GEMM once on each of
 several weight copies, bench_gemm.MIN_REPLAY_BYTES in all, so the weight streams from HBM with no launch
@@ -103,6 +104,10 @@ def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, band
             timer, w_tensor, partial(gemm.cublas_scaled_mm, x_q, x_tensor_scale, w_scale=s_tensor, out_dtype=out)
         ),
     }
+    if m == 1:  # the fp8_linear ops' one-token GEMV: x unquantized, per-channel weight scales (weight-only)
+        row["weight_only_us"] = timed(
+            timer, w_channel, lambda w_: gemm.run_skinny_mm(x, None, w_, s_channel, None, out, (1, k))
+        )
     for layout, (weight, scale, scale_block, group) in layouts.items():
         row[f"triton_{layout}_us"] = timed(
             timer, weight, partial(tile, scale=scale, scale_block=scale_block, group=group)
@@ -186,6 +191,7 @@ def main() -> None:
             ("triton_channel_us", "Triton chan us", ".1f"),
             ("skinny_block_us", "skinny block us", ".1f"),
             ("skinny_channel_us", "skinny chan us", ".1f"),
+            ("weight_only_us", "weight-only us", ".1f"),
             ("block_of_roofline", "block/roofline", ".2f"),
             ("channel_of_roofline", "chan/roofline", ".2f"),
         ]

@@ -80,11 +80,18 @@ for grouped in (False, True):
     build(gemm._scaled_mm_kernel, fp8_gemm, {**blocks, "X_GROUPED": grouped, **tiles}, num_warps=8)
     for split in (False, True):
         tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "USE_DOT": True, "NUM_STAGES": 4}
-        scales = {**blocks, "SCALED": True, "X_GROUPED": grouped, "PROLOGUE": gemm.NO_PROLOGUE}
+        scales = {**blocks, "SCALED": True, "X_GROUPED": grouped, "X_SCALED": True, "PROLOGUE": gemm.NO_PROLOGUE}
         build(gemm._skinny_mm_kernel, fp8_gemm, {**scales, **tiles}, num_warps=4)
 
 bf16_gemm = {"x_ptr": BF16, "w_ptr": BF16, "out_ptr": BF16, "ticket_ptr": "*i32"}
-unscaled = {"SCALE_N": 1, "SCALE_K": 128, "SCALED": False, "SCALE_ALONG_K": False, "X_GROUPED": False}
+unscaled = {
+    "SCALE_N": 1,
+    "SCALE_K": 128,
+    "SCALED": False,
+    "SCALE_ALONG_K": False,
+    "X_GROUPED": False,
+    "X_SCALED": False,
+}
 for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (True, 16, 64, 32), (False, 1, 8, 256)]:
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": True, "USE_DOT": dot}
     constexprs = {**unscaled, "HAS_BIAS": True, **tiles, "NUM_STAGES": 4}
@@ -101,6 +108,12 @@ for dot, block_m, block_n, block_k in [(True, 16, 64, 128), (True, 16, 64, 32), 
 weight_first = {**unscaled, "HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 4096, "USE_DOT": False}
 weight_first |= {"NUM_STAGES": 1, "WEIGHT_FIRST": True, "PROLOGUE": gemm.RMS_NORM, "SPLIT": False}
 build(gemm._skinny_mm_kernel, {**bf16_gemm, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}, weight_first, num_warps=8)
+# the fp8_linear ops' weight-only GEMV: an unquantized token through an fp8 weight, after each prologue
+weight_only = {**unscaled, "SCALED": True, "SCALE_K": 512, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 8}
+weight_only |= {"BLOCK_K": 512, "USE_DOT": False, "NUM_STAGES": 4, "SPLIT": False, "WEIGHT_FIRST": False}
+fp8_weight = {**bf16_gemm, "w_ptr": FP8, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}
+for prologue in (gemm.NO_PROLOGUE, gemm.RMS_NORM, gemm.SILU_MUL):
+    build(gemm._skinny_mm_kernel, fp8_weight, {**weight_only, "PROLOGUE": prologue}, num_warps=2)
 for fp8_cache in (False, True):
     cache = FP8 if fp8_cache else BF16
     pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}

@@ -253,6 +253,7 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
     assert [p["name"] for p in manifest["passes"]] == [
         "rms_norm_quant",
         "silu_mul_quant",
+        "fp8_linear",
         "rms_norm_linear",
         "silu_mul_linear",
         "qk_norm_rope_cache",

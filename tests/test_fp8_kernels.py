@@ -21,11 +21,15 @@ from atom_models.ops.quant import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_weight,
+    fp8_linear_reference,
+    fused_add_rms_norm_fp8_linear_reference,
     quant_fp8_per_token_reference,
     quantize_fp8_static,
     quantize_weight,
+    rms_norm_fp8_linear_reference,
     scaled_mm_blockwise_reference,
     scaled_mm_reference,
+    silu_and_mul_fp8_linear_reference,
 )
 
 triton = pytest.importorskip("triton")
@@ -229,6 +233,104 @@ def test_skinny_gemm_configs(m, config, scheme, static):
     assert_close(out, ref)
     # the slice that merged each N tile reset its ticket, ready for the next launch
     assert not common.ticket_counters(x_q.device, 1).any()
+
+
+FP8_PROLOGUES = ["none", "rms_norm", "add_rms_norm", "silu_mul"]
+# prologue -> (the fp8_linear op's Triton implementation, its reference)
+FP8_LINEARS = {
+    "none": (gemm.fp8_linear, fp8_linear_reference),
+    "rms_norm": (gemm.rms_norm_fp8_linear, rms_norm_fp8_linear_reference),
+    "add_rms_norm": (gemm.fused_add_rms_norm_fp8_linear, fused_add_rms_norm_fp8_linear_reference),
+    "silu_mul": (gemm.silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_reference),
+}
+
+
+def fp8_linear_case(prologue: str, n: int, k: int, m: int = 1, per_tensor: bool = False):
+    """`m` tokens' unquantized x and an fp8 weight (per-channel or per-tensor scales) with bias, as the arguments
+    of the fp8_linear op for `prologue`, and the GEMV's prologue that does the same."""
+    w_q, w_scale = quantize_weight(torch.randn(n, k, device=DEVICE), "per_tensor" if per_tensor else "per_channel")
+    bias, g = randn(n, dtype=DTYPE), randn(k, dtype=DTYPE)
+    x = randn(m, 2 * k if prologue == "silu_mul" else k, dtype=DTYPE, scale=3.0)
+    residual = randn(m, k, dtype=DTYPE)
+    args, kernel_prologue = (x,), None
+    if prologue == "silu_mul":
+        kernel_prologue = gemm.SiluMulPrologue()
+    elif prologue == "rms_norm":
+        args, kernel_prologue = (x, g, 1e-6), gemm.RMSNormPrologue(g, 1e-6)
+    elif prologue == "add_rms_norm":
+        args = (x, residual, g, 1e-6)
+        kernel_prologue = gemm.RMSNormPrologue(g, 1e-6, residual, torch.full_like(x, float("nan")))
+    return (*args, w_q, w_scale, bias, DTYPE), kernel_prologue
+
+
+@pytest.mark.parametrize("prologue", FP8_PROLOGUES)
+@pytest.mark.parametrize(
+    "config", [None, gemm.SkinnyConfig(8, 64, 2, 2, 2, False), gemm.SkinnyConfig(4, 256, 1, 4, 1, False)]
+)
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_skinny_gemv_weight_only(prologue, config, per_tensor):
+    """One unquantized token through an fp8 weight (no activation scales), after each prologue, with K split
+    (the RMSNorm prologue never is) or one tile a slice (weight-first): the fp8_linear ops' reference."""
+    n, k = 70, 200
+    args, kernel_prologue = fp8_linear_case(prologue, n, k, per_tensor=per_tensor)
+    x, (w_q, w_scale, bias, out_dtype) = args[0], args[-4:]
+    out = gemm.run_skinny_mm(x, None, w_q, w_scale, bias, out_dtype, (1, k), config, kernel_prologue)
+    reference = FP8_LINEARS[prologue][1](*args)
+    if prologue == "add_rms_norm":
+        reference, summed = reference
+        assert_close(kernel_prologue.summed, summed, tol=1e-6)
+    assert_close(out, reference)  # bf16: the reference rounds the prologue's output, the GEMV does not
+    assert not common.ticket_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("prologue", FP8_PROLOGUES)
+@pytest.mark.parametrize("m", [1, 2] + ([5, 80] if CUDA else []))
+def test_fp8_linear_ops(prologue, m):
+    """The fp8_linear ops' Triton implementations against their references: one token weight-only (the GEMV with
+    the prologue), more through the quantizer kernel and `scaled_mm`."""
+    args, _ = fp8_linear_case(prologue, 40, 136, m)
+    fused, reference = FP8_LINEARS[prologue]
+    out, expected = fused(*args), reference(*args)
+    if prologue == "add_rms_norm":
+        (out, summed), (expected, expected_summed) = out, expected
+        assert_close(summed, expected_summed, tol=1e-6)
+    assert_close(out, expected)
+
+
+def test_fp8_linear_quantizes_x_for_more_than_one_token():
+    """The reference's two cases: one token is x @ dequantized w^T; every row of more is scaled_mm of x
+    quantized per token (so a token's output differs, by its activation's rounding, between the two)."""
+    (x, w_q, w_scale, bias, out_dtype), _ = fp8_linear_case("none", 24, 64, m=3)
+    many = fp8_linear_reference(x, w_q, w_scale, bias, out_dtype)
+    torch.testing.assert_close(
+        many, scaled_mm_reference(*quant_fp8_per_token_reference(x), w_q, w_scale, bias, out_dtype)
+    )
+    one = fp8_linear_reference(x[:1], w_q, w_scale, bias, out_dtype)
+    unquantized = x[:1].float() @ dequantize_weight(w_q, w_scale).t() + bias.float()
+    torch.testing.assert_close(one, unquantized.to(out_dtype))
+    assert not torch.equal(one, many[:1])
+
+
+def test_skinny_gemv_weight_only_refusals():
+    (x, w_q, w_scale, _, _), _ = fp8_linear_case("none", 16, 64)
+    with pytest.raises(ValueError, match="activation scales only with weight scales"):
+        gemm.run_skinny_mm(x, w_scale[:1], w_q.float(), None, None, DTYPE, (1, 64))
+    with pytest.raises(ValueError, match="runs in the one-token GEMV, not in the MMA"):
+        mma = gemm.SkinnyConfig(32, 64, 1, 4, 3, True)
+        gemm.run_skinny_mm(x, None, w_q, w_scale, None, DTYPE, (1, 64), mma)
+
+
+@gpu_only
+@pytest.mark.parametrize("prologue", FP8_PROLOGUES)
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336)])
+def test_skinny_gemv_weight_only_gpu_shapes(prologue, n, k):
+    """Llama-3-8B's projections, the o_proj's 16 MB through the weight-first GEMV, the others pipelined."""
+    args, _ = fp8_linear_case(prologue, n, k)
+    fused, reference = FP8_LINEARS[prologue]
+    out, expected = fused(*args), reference(*args)
+    if prologue == "add_rms_norm":
+        out, expected = out[0], expected[0]
+    assert_close(out, expected)
 
 
 def test_skinny_gemm_rejects_mismatched_tiles():

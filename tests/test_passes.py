@@ -11,6 +11,7 @@ import torch
 import atom_compile as ac
 from atom_compile.export import ExportOptions, trace_model_dir
 from atom_compile.passes import resolve_pipeline, run_passes
+from atom_compile.passes.fp8_linear import FUSED as FUSED_INTO_GEMM
 from atom_compile.reference import prompt_step
 from atom_compile.trace import graph_arguments, model_weights
 
@@ -24,9 +25,9 @@ def traced(model_dir, quantization=None):
     return model, t
 
 
-def run(model, t, seed=0):
-    """Logits and KV caches of one 13-token prefill through the traced graph."""
-    ids, positions, caches, meta, logits_indices = prompt_step(model.config, 13, torch.device("cpu"), torch.float32)
+def run(model, t, seed=0, tokens=13):
+    """Logits and KV caches of one `tokens`-token prefill through the traced graph."""
+    ids, positions, caches, meta, logits_indices = prompt_step(model.config, tokens, torch.device("cpu"), torch.float32)
     args = graph_arguments(t.inputs, model_weights(model), ids, positions, caches, meta, logits_indices)
     with torch.inference_mode():
         logits = t.graph_module(*args)[0]
@@ -97,6 +98,49 @@ def test_quant_fusions_on_fp8_model(tiny_llama):
     assert after_ops["atom.fused_add_rms_norm.default"] == 1
     # references compose the unfused ops exactly; the Triton kernels are held to FP8 tolerance in their own tests
     assert_same_outputs(before, run(model, t), rtol=1e-5)
+
+
+def test_quantizers_into_their_gemms_on_fp8_model(tiny_llama):
+    """After the quant fusions every quantizer feeds one scaled_mm: all four kinds go into it. Several tokens
+    compute the same function; one token loses only its activations' fp8 rounding (weight-only)."""
+    model, t = traced(tiny_llama, quantization="fp8")
+    layers = model.config.num_hidden_layers
+    apply(t, "rms_norm_quant", "silu_mul_quant")
+    before_ops, before, before_one = ops(t.graph_module), run(model, t), run(model, t, tokens=1)
+    assert apply(t, "fp8_linear") == {"fp8_linear": 4 * layers}
+    after_ops = ops(t.graph_module)
+    assert after_ops["atom.scaled_mm.default"] == 0
+    for quantizer, fused in FUSED_INTO_GEMM.items():
+        assert after_ops[f"atom.{quantizer}.default"] == 0
+        assert after_ops[f"atom.{fused}.default"] == before_ops[f"atom.{quantizer}.default"]
+    assert_same_outputs(before, run(model, t))
+    # one token: closer to the unquantized model than with quantized activations
+    unquantized = run(*traced(tiny_llama), tokens=1)[0]
+    error_before, error_after = ((run_[0] - unquantized).norm() for run_ in (before_one, run(model, t, tokens=1)))
+    assert 0 < error_after < error_before
+
+
+def test_fp8_linear_leaves_block_scales_and_shared_quantizers():
+    """Grouped scales (block checkpoints) and a quantizer feeding two GEMMs are not fused."""
+    w_q = torch.randn(8, 16).to(torch.float8_e4m3fn)
+
+    def graph(group: int, gemms: int):
+        g = torch.fx.Graph()
+        x, w, ws = g.placeholder("x"), g.placeholder("w"), g.placeholder("ws")
+        quant = g.call_function(torch.ops.atom.quant_fp8_per_token.default, (x, group))
+        x_q, x_s = (g.call_function(operator.getitem, (quant, i)) for i in range(2))
+        mm = torch.ops.atom.scaled_mm.default
+        g.output(tuple(g.call_function(mm, (x_q, x_s, w, ws, None, torch.float32)) for _ in range(gemms)))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    for group, gemms in [(8, 1), (0, 2)]:
+        assert run_passes(graph(group, gemms), ["fp8_linear"])[0].matches == 0
+    gm = graph(0, 1)
+    x, ws = torch.randn(3, 16), torch.rand(8, 1)
+    before = gm(x, w_q, ws)
+    assert run_passes(gm, ["fp8_linear"])[0].matches == 1
+    torch.testing.assert_close(gm(x, w_q, ws), before)
+    torch.testing.assert_close(gm(x[:1], w_q, ws)[0], x[:1] @ (w_q.float() * ws).t())  # one token: weight-only
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
@@ -186,7 +230,8 @@ def test_cleanup_keeps_cache_writes_without_users(tiny_llama):
 
 
 def test_pipeline_edits():
-    default = ["rms_norm_quant", "silu_mul_quant", "rms_norm_linear", "silu_mul_linear", "qk_norm_rope_cache"]
+    default = ["rms_norm_quant", "silu_mul_quant", "fp8_linear", "rms_norm_linear", "silu_mul_linear"]
+    default.append("qk_norm_rope_cache")
     assert resolve_pipeline(None) == [*default, "rope_cache", "cleanup"]
     assert resolve_pipeline("-rope_cache,-cleanup") == default
     assert resolve_pipeline(["rope_cache", "cleanup"]) == ["rope_cache", "cleanup"]

@@ -5,7 +5,7 @@ and group of `group_size` columns (DeepSeek-V3's 1x128, paired with 128x128 weig
 group gets its own scale), or statically with one calibrated scale. Weights carry one scale per tensor, per output
 channel, or per block (DeepSeek-V3's 128x128). In every scheme a value is `q * scale`.
 The fused ops' references are the unfused compositions, so a fusion pass changes the
-kernels that run, never the function computed.
+kernels that run, never the function computed (except the fp8_linear ops at one token; see there).
 """
 
 from __future__ import annotations
@@ -169,6 +169,110 @@ def fused_add_rms_norm_quant_fp8_reference(x, residual, weight, eps, group_size=
 @register_impl("silu_and_mul_quant_fp8", "torch")
 def silu_and_mul_quant_fp8_reference(x, group_size=0):
     return quant_fp8_per_token_reference(silu_and_mul_reference(x), group_size)
+
+
+# FP8 linears with dynamic per-token activations: a quantizer (alone, or fused with the norm or SiLU·mul in front)
+# and the `scaled_mm` that is its one user, as one op (the fp8_linear pass). For several tokens that is the
+# quantizer and then `scaled_mm` on the FP8 tensor cores. For one token (a batch-1 decode step) it is weight-only:
+# x stays unquantized. Its GEMV runs on CUDA cores, where an FP8 x saves nothing, and quantizing x first costs a
+# kernel a projection, or a pass over the row in every program of the GEMV (that took Llama-3-8B's FP8 batch-1
+# step from 4.05 to 4.77 ms on an H100). The one exception to "a fusion never changes the function computed":
+# one token loses the activation's rounding, which brings it closer to the unquantized model.
+
+
+def one_token(x: Tensor) -> bool:
+    """Whether x [..., K] is a single token's row (the weight-only case of the fp8_linear ops)."""
+    return x.numel() == x.shape[-1] > 0
+
+
+@torch.library.custom_op("atom::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """scaled_mm(*quant_fp8_per_token(x), w_q, w_scale, bias, out_dtype); one token: x @ dequantized w^T + bias."""
+    return implementation("fp8_linear", x.device)(x, w_q, w_scale, bias, out_dtype)
+
+
+@fp8_linear.register_fake
+def _(x, w_q, w_scale, bias, out_dtype):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+
+@register_impl("fp8_linear", "torch")
+def fp8_linear_reference(x, w_q, w_scale, bias, out_dtype) -> Tensor:
+    if one_token(x):
+        return _dequantized_matmul(x.float(), dequantize_weight(w_q, w_scale), bias, out_dtype)
+    return scaled_mm_reference(*quant_fp8_per_token_reference(x), w_q, w_scale, bias, out_dtype)
+
+
+@torch.library.custom_op("atom::rms_norm_fp8_linear", mutates_args=())
+def rms_norm_fp8_linear(
+    x: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """fp8_linear(rms_norm(x, norm_weight, eps), w_q, w_scale, bias, out_dtype)."""
+    return implementation("rms_norm_fp8_linear", x.device)(x, norm_weight, eps, w_q, w_scale, bias, out_dtype)
+
+
+@rms_norm_fp8_linear.register_fake
+def _(x, norm_weight, eps, w_q, w_scale, bias, out_dtype):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+
+@register_impl("rms_norm_fp8_linear", "torch")
+def rms_norm_fp8_linear_reference(x, norm_weight, eps, w_q, w_scale, bias, out_dtype) -> Tensor:
+    return fp8_linear_reference(rms_norm_reference(x, norm_weight, eps), w_q, w_scale, bias, out_dtype)
+
+
+@torch.library.custom_op("atom::fused_add_rms_norm_fp8_linear", mutates_args=())
+def fused_add_rms_norm_fp8_linear(
+    x: Tensor,
+    residual: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    w_q: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """(fp8_linear(rms_norm(x + residual, norm_weight, eps), w_q, w_scale, bias, out_dtype), x + residual)."""
+    return implementation("fused_add_rms_norm_fp8_linear", x.device)(
+        x, residual, norm_weight, eps, w_q, w_scale, bias, out_dtype
+    )
+
+
+@fused_add_rms_norm_fp8_linear.register_fake
+def _(x, residual, norm_weight, eps, w_q, w_scale, bias, out_dtype):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype), torch.empty_like(x)
+
+
+@register_impl("fused_add_rms_norm_fp8_linear", "torch")
+def fused_add_rms_norm_fp8_linear_reference(
+    x, residual, norm_weight, eps, w_q, w_scale, bias, out_dtype
+) -> tuple[Tensor, Tensor]:
+    normed, summed = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    return fp8_linear_reference(normed, w_q, w_scale, bias, out_dtype), summed
+
+
+@torch.library.custom_op("atom::silu_and_mul_fp8_linear", mutates_args=())
+def silu_and_mul_fp8_linear(
+    x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype
+) -> Tensor:
+    """fp8_linear(silu_and_mul(x), w_q, w_scale, bias, out_dtype), x = [gate | up]."""
+    return implementation("silu_and_mul_fp8_linear", x.device)(x, w_q, w_scale, bias, out_dtype)
+
+
+@silu_and_mul_fp8_linear.register_fake
+def _(x, w_q, w_scale, bias, out_dtype):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+
+
+@register_impl("silu_and_mul_fp8_linear", "torch")
+def silu_and_mul_fp8_linear_reference(x, w_q, w_scale, bias, out_dtype) -> Tensor:
+    return fp8_linear_reference(silu_and_mul_reference(x), w_q, w_scale, bias, out_dtype)
 
 
 def quantize_fp8_static(x: Tensor, scale: Tensor) -> Tensor:

@@ -35,14 +35,21 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.activation import silu_and_mul
+from atom_models.ops.quant import one_token
+from atom_models.ops.triton_kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
 from atom_models.ops.triton_kernels.common import (
     as_rows,
     pdl_launch,
     ticket_counters,
     wait_for_previous_kernel,
 )
-from atom_models.ops.triton_kernels.norm import fused_add_rms_norm, rms_norm
+from atom_models.ops.triton_kernels.norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_quant_fp8,
+    rms_norm,
+    rms_norm_quant_fp8,
+)
+from atom_models.ops.triton_kernels.quant import quant_fp8_per_token
 
 
 @dataclass(frozen=True)
@@ -405,6 +412,7 @@ def _skinny_mm_kernel(
     SCALED: tl.constexpr,
     SCALE_ALONG_K: tl.constexpr,
     X_GROUPED: tl.constexpr,
+    X_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -419,6 +427,8 @@ def _skinny_mm_kernel(
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
 
     SCALED: fp8 operands with the scales of `_scaled_mm_kernel`; else plain bf16/fp16 ones (`linear`).
+    Not X_SCALED (one token, the CUDA-core GEMV): x is unquantized (bf16/fp16) and only the fp8 weight is
+    scaled, the weight-only product of `fp8_linear` (it takes prologues, as the bf16 GEMV does).
     PROLOGUE (one token, the CUDA-core GEMV only; see `_gemv_operand`): RMS_NORM normalises x (plus the
     residual at res_ptr, if given, whose sum goes to sum_ptr) with weight g_ptr and eps first; SILU_MUL takes
     x = [gate | up] of 2K columns.
@@ -497,7 +507,7 @@ def _skinny_mm_kernel(
         if SCALED:
             if not SCALE_ALONG_K:
                 acc *= tl.load(ws_ptrs, mask=n_ok, other=0.0)[:, None]
-            if not X_GROUPED:
+            if X_SCALED and not X_GROUPED:
                 acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -519,10 +529,11 @@ def run_skinny_mm(
     """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
 
     Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w; for one token it may
-    take a prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape).
+    take a prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape). One
+    unquantized token (x_scale None) may also go through an fp8 weight with per-row scales: weight-only.
     """
-    if (x_scale is None) != (w_scale is None):
-        raise ValueError("the skinny GEMM takes scales for both operands (fp8) or for neither")
+    if x_scale is not None and w_scale is None:
+        raise ValueError("the skinny GEMM takes activation scales only with weight scales (fp8)")
     if prologue is not None and x_scale is not None:
         raise ValueError("the skinny GEMM's prologues take unscaled (bf16/fp16) operands")
     x = as_rows(x_q)
@@ -535,6 +546,8 @@ def run_skinny_mm(
     config = config or skinny_config(m, n, k, scale_k, x.device, w_q.element_size())
     if not config.dot and (m > 1 or scale_k < k):
         raise ValueError(f"the CUDA-core GEMV serves one token with per-row weight scales, got {m} tokens")
+    if w_scale is not None and x_scale is None and config.dot:
+        raise ValueError("an unquantized x through an fp8 weight runs in the one-token GEMV, not in the MMA")
     if prologue is not None and config.dot:
         raise ValueError("the skinny GEMM's prologues run in the one-token GEMV, not in the MMA")
     residual = norm_weight = summed = None
@@ -552,11 +565,9 @@ def run_skinny_mm(
                 raise ValueError("the RMSNorm prologue's residual must have x's shape")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    scaled = ws is not None
-    if scaled:
-        x_scale = _activation_scales(x_scale)
-    else:  # unused scale pointers (one element, so no scale looks grouped)
-        x_scale = ws = out[:1, :1]
+    scaled, x_scaled = ws is not None, x_scale is not None
+    x_scale = _activation_scales(x_scale) if x_scaled else out[:1, :1]  # unused: one element, so not grouped
+    ws = ws if scaled else x_scale
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -588,6 +599,7 @@ def run_skinny_mm(
             *strides,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else 1,
             SCALED=scaled,
+            X_SCALED=x_scaled,
             SPLIT=split_k > 1,
             USE_DOT=config.dot,
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
@@ -679,3 +691,43 @@ def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tenso
     if _skinny_linear(x, weight, FUSED_LINEAR_MAX_M):
         return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=SiluMulPrologue())
     return linear(silu_and_mul(x), weight, bias)
+
+
+# The FP8 linears (quant.py's fp8_linear ops): one token through the weight-only GEMV, its norm or SiLU·mul as the
+# prologue, so a decoder layer of an FP8 model runs the kernels of a bf16 one; more tokens through the quantizer
+# kernel and then `scaled_mm`.
+def _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, prologue=None) -> Tensor:
+    return run_skinny_mm(x, None, w_q, w_scale, bias, out_dtype, (1, w_q.shape[1]), prologue=prologue)
+
+
+@register_impl("fp8_linear", "triton")
+def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    if one_token(x):
+        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype)
+    return scaled_mm(*quant_fp8_per_token(x), w_q, w_scale, bias, out_dtype)
+
+
+@register_impl("rms_norm_fp8_linear", "triton")
+def rms_norm_fp8_linear(x, norm_weight, eps, w_q, w_scale, bias, out_dtype) -> Tensor:
+    if one_token(x):
+        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, RMSNormPrologue(norm_weight, eps))
+    return scaled_mm(*rms_norm_quant_fp8(x, norm_weight, eps), w_q, w_scale, bias, out_dtype)
+
+
+@register_impl("fused_add_rms_norm_fp8_linear", "triton")
+def fused_add_rms_norm_fp8_linear(
+    x, residual, norm_weight, eps, w_q, w_scale, bias, out_dtype
+) -> tuple[Tensor, Tensor]:
+    if one_token(x):
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
+        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, prologue), summed
+    x_q, x_scale, summed = fused_add_rms_norm_quant_fp8(x, residual, norm_weight, eps)
+    return scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype), summed
+
+
+@register_impl("silu_and_mul_fp8_linear", "triton")
+def silu_and_mul_fp8_linear(x, w_q, w_scale, bias, out_dtype) -> Tensor:
+    if one_token(x):
+        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, SiluMulPrologue())
+    return scaled_mm(*silu_and_mul_quant_fp8(x), w_q, w_scale, bias, out_dtype)
