@@ -259,10 +259,16 @@ def format_critical_path(profile: dict) -> str:
     return "\n".join(lines)
 
 
+def activity_name(event: dict) -> str:
+    """A kernel's name with its grid, which tells apart launches of one kernel (each projection's GEMV)."""
+    grid = event.get("args", {}).get("grid")
+    return f"{event['name']} grid {'x'.join(map(str, grid))}" if grid else event["name"]
+
+
 def split_replays(events: list[dict], reps: int) -> list[list[tuple[float, float, str]]] | str:
     """A chrome trace's GPU activities as `reps` replays of (start, end, name), or why they are not."""
     gpu = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"])
+        (e["ts"], e["ts"] + e["dur"], activity_name(e))
         for e in events
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
     )
