@@ -37,8 +37,9 @@ def argument_type(param, pointers: dict[str, str], constexprs: dict) -> str:
     return "fp32" if param.name in FLOATS else "i32"
 
 
-def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None:
-    """Compiles `kernel`; one that takes USE_PDL is built with programmatic dependent launch, as on an H100."""
+def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> str:
+    """Compiles `kernel` and returns its PTX; one that takes USE_PDL is built with programmatic dependent launch,
+    as on an H100."""
     signature = {param.name: argument_type(param, pointers, constexprs) for param in kernel.params}
     if "USE_PDL" in signature:
         constexprs = {**constexprs, "USE_PDL": True}
@@ -50,6 +51,7 @@ def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> None
     assert ("griddepcontrol.wait" in ptx) == constexprs.get("USE_PDL", False)
     if "--registers" in sys.argv:
         report_registers(kernel.__name__, ptx, constexprs, options)
+    return ptx
 
 
 def report_registers(name: str, ptx: str, constexprs: dict, options: dict) -> None:
@@ -132,5 +134,8 @@ for fp8_cache in (False, True):
         constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": attention.MAX_SPLITS}
         constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "KV_SCALES": fp8_cache, "DECODE_ONLY": decode_only}
         warps = config.decode_warps if decode_only else config.num_warps
-        build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=config.num_stages)
+        ptx = build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=config.num_stages)
+        # decode-only: the first key/value tile is asked of L2 before the wait (a hint no test could see fail)
+        prefetched = ptx.find("prefetch.global.L2")
+        assert (0 <= prefetched < ptx.find("griddepcontrol.wait")) == decode_only
 print("all kernels lowered for sm_90")

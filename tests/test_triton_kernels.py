@@ -473,19 +473,6 @@ def test_paged_attention_decode_tiles(padding):
     check_attention(4, 2, 16, 4, [(1, 30), (1, 16), (1, 1), (1, 33)], padding=padding, config=config)  # 1 split
 
 
-def test_paged_attention_refuses_a_grid_past_cuda_limits():
-    """The programs of one KV head lie along the grid's second axis (at most 65535): more is a clear error."""
-    seqs = attention.MAX_GRID_Y + 1  # a decode token each: one program a sequence at least
-    q = torch.zeros(seqs, 2, 16, device=DEVICE)
-    cache = torch.zeros(2, 1, 4, 1, 16, device=DEVICE)
-    tables = torch.zeros(seqs, 1, dtype=torch.int32, device=DEVICE)
-    ones = torch.ones(seqs, dtype=torch.int32, device=DEVICE)
-    qsl = torch.arange(seqs + 1, dtype=torch.int32, device=DEVICE)
-    config = attention.default_config(16)
-    with pytest.raises(ValueError, match=f"need {seqs} programs a head"):
-        attention.run_paged_attention(q, cache, tables, ones, qsl, 0.25, config)
-
-
 def test_paged_attention_fp8_cache():
     check_attention(4, 2, 32, 16, MIXED, kv_dtype=FP8_DTYPE)
 

@@ -1,9 +1,9 @@
 """Paged attention over mixed batches: causal prefill chunks and split-KV decode in one launch.
 
 One kernel, `_attention_kernel`, with a grid sized from tensor shapes alone (a step can be
-captured in a CUDA graph; nothing synchronises with the host). Along axis 0 runs the KV head (the
-fastest-varying index, so programs are dispatched head by head within each program index);
-axis 1 holds two kinds of program:
+captured in a CUDA graph; nothing synchronises with the host). Program `i` serves KV head
+`i % heads` (the fastest-varying index, so programs are dispatched head by head within each program
+index) as program `i // heads` of that head, of two kinds:
 
 - `seqs * splits` decode programs (flash-decoding). For a sequence with exactly one query
   token, program (seq, split) attends over one slice of the context; splitting lets even a
@@ -53,7 +53,6 @@ LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
 EMPTY_LSE = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the programs of one KV head)
 
 
 @dataclass(frozen=True)
@@ -274,16 +273,9 @@ def _decode_program(
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """One split of one decode token's attention; the last split to finish merges them all.
-
-    A sequence uses only as many of the launched splits as it has key blocks (`active`): a short
-    context is not spread over dozens of nearly empty programs and a merge of all of them.
-    """
-    active = tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+    """One split of one decode token's attention (see `_split_range`); the last split to finish merges them all."""
+    active, lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N)
     if split < active:
-        chunk = tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, seq_len)
         full_end = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
         g = tl.arange(0, ROWS)
         head = kv_head * GROUP + g
@@ -348,6 +340,19 @@ def _decode_program(
 
 
 @triton.jit
+def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """(the splits a sequence uses, and `split`'s keys [lo, hi)): whole BLOCK_N tiles, spread as evenly as they go.
+
+    A sequence uses only as many of the launched splits as it has key tiles: a short context is not spread
+    over dozens of nearly empty programs and a merge of all of them.
+    """
+    active = tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+    chunk = tl.cdiv(tl.cdiv(seq_len, tl.maximum(active, 1)), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    return active, lo, tl.minimum(lo + chunk, seq_len)
+
+
+@triton.jit
 def _prefetch_decode_tile(
     k_cache_ptr,
     v_cache_ptr,
@@ -368,11 +373,10 @@ def _prefetch_decode_tile(
     lines are only a hint, and the split's program reads everything again, in order, after the wait.
     """
     seq_len = tl.load(seq_len_ptr, cache_modifier=".cg")
-    active = tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+    active, lo, _ = _split_range(seq_len, split, num_splits, BLOCK_N)
     if split < active:
-        lo = split * tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N
-        n = lo + tl.arange(0, BLOCK_N)
-        page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n < seq_len, other=0, cache_modifier=".cg")
+        n = tl.minimum(lo + tl.arange(0, BLOCK_N), seq_len - 1)  # past the end: the last key again, no stray lines
+        page = tl.load(table_ptr + n // BLOCK_SIZE, cache_modifier=".cg")
         LINE: tl.constexpr = 128 // k_cache_ptr.dtype.element_ty.primitive_bitwidth * 8  # elements a 128-byte line
         LINES: tl.constexpr = max(1, HEAD_DIM // LINE)
         rows = page.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_offset
@@ -490,6 +494,7 @@ def _attention_kernel(
     num_seqs,
     num_tokens,
     num_splits,
+    num_kv_heads,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -512,26 +517,24 @@ def _attention_kernel(
     DECODE_ONLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
-    num_kv_heads = tl.num_programs(0)
-    pid = tl.program_id(1)
-    if USE_PDL and DECODE_ONLY:  # noqa: SIM102 (constexprs apart: the branch is pruned at compile time)
-        if pid < num_seqs * num_splits:
-            seq = pid % num_seqs
-            _prefetch_decode_tile(
-                k_cache_ptr,
-                v_cache_ptr,
-                block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                seq_lens_ptr + seq,
-                pid // num_seqs,
-                num_splits,
-                kv_head * stride_kh,
-                stride_kb,
-                stride_ks,
-                HEAD_DIM,
-                DECODE_BLOCK_N,
-                BLOCK_SIZE,
-            )
+    kv_head = tl.program_id(0) % num_kv_heads  # the fastest-varying index
+    pid = tl.program_id(0) // num_kv_heads
+    if USE_PDL and DECODE_ONLY:  # decode programs only
+        seq = pid % num_seqs
+        _prefetch_decode_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            seq_lens_ptr + seq,
+            pid // num_seqs,
+            num_splits,
+            kv_head * stride_kh,
+            stride_kb,
+            stride_ks,
+            HEAD_DIM,
+            DECODE_BLOCK_N,
+            BLOCK_SIZE,
+        )
     wait_for_previous_kernel(USE_PDL)
     if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -590,7 +593,7 @@ def _attention_kernel(
             block_tables_ptr,
             seq_lens_ptr,
             query_start_loc_ptr,
-            tl.num_programs(1) - 1 - pid,
+            tl.num_programs(0) // num_kv_heads - 1 - pid,
             kv_head,
             num_seqs,
             num_tokens,
@@ -654,10 +657,7 @@ def run_paged_attention(
     # and a specialisation without the prefill path, which needs far fewer registers.
     decode_only = num_tokens == num_seqs
     num_tiles = 0 if decode_only else triton.cdiv(num_tokens, block_q) + num_seqs
-    programs = num_seqs * num_splits + num_tiles
-    if programs > MAX_GRID_Y:
-        raise ValueError(f"paged attention: {num_tokens} tokens need {programs} programs a head (max {MAX_GRID_Y})")
-    _attention_kernel[(num_kv_heads, programs)](
+    _attention_kernel[(num_kv_heads * (num_seqs * num_splits + num_tiles),)](
         q,
         k_cache,
         v_cache,
@@ -673,6 +673,7 @@ def run_paged_attention(
         num_seqs,
         num_tokens,
         num_splits,
+        num_kv_heads,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
