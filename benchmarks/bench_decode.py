@@ -205,7 +205,7 @@ def graph_step_ms(llm: LLM, batch: int, context: int, reps: int = 50) -> float |
 
 
 def critical_path(replays: list[list[tuple[float, float, str]]]) -> dict:
-    """Per kernel name, what it adds to a replay's span: the step's critical path by kernel.
+    """Per kernel (name and grid, see `activity_name`), what it adds to a replay's span: the step's critical path.
 
     `replays`: each replay's GPU activities as (start, end, name), in µs. Kernels launch with PDL, so a
     kernel starts early and its duration includes its wait for the one before: durations overcount. Each
@@ -262,7 +262,7 @@ def format_critical_path(profile: dict) -> str:
 def activity_name(event: dict) -> str:
     """A kernel's name with its grid, which tells apart launches of one kernel (each projection's GEMV)."""
     grid = event.get("args", {}).get("grid")
-    return f"{event['name']} grid {'x'.join(map(str, grid))}" if grid else event["name"]
+    return f"{event['name'][:42]} grid {'x'.join(map(str, grid))}" if grid else event["name"]  # fits 60
 
 
 def split_replays(events: list[dict], reps: int) -> list[list[tuple[float, float, str]]] | str:

@@ -8,9 +8,9 @@
 gemm: for each Llama-3-8B projection (N x K) and M rows, the median time of bf16 cuBLAS, FP8
 cuBLASLt via torch._scaled_mm (row-wise and tensor-wise scales), our Triton tile GEMM and the
 skinny decode GEMM (each with 128x128 block scales and per-channel scales; the skinny one for
-M <= gemm.SKINNY_MAX_M, where the dispatch picks it; at M = 1 also the fp8_linear ops' weight-only GEMV of a
-bf16 x), against the roofline: bytes the GEMM must
-read and write (FP8 weight, its scales, x and out) over the copy bandwidth measured in the same
+M <= gemm.SKINNY_MAX_M, where the dispatch picks it; at M = 1 also the fp8_linear ops' weight-only
+GEMV of a bf16 x), against the roofline: bytes the GEMM must read and write (FP8 weight, its
+scales, x and out) over the copy bandwidth measured in the same
 run. `--timer graph` (the default) times CUDA-graph replays that call the GEMM once on each of
 several weight copies, bench_gemm.MIN_REPLAY_BYTES in all, so the weight streams from HBM with no launch
 overhead between calls, as in a decode step; `--timer do_bench` times single calls (L2 flushed).
@@ -118,9 +118,11 @@ def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, band
             row[f"skinny_{layout}_config"] = config_name(gemm.skinny_config(m, n, k, scale_block[1], weight.device))
             if args.sweep and m in args.sweep_ms:
                 row[f"skinny_{layout}_sweep"] = sweep_skinny(timer, weight, run, m, layout == "block")
-    # what the dispatch runs: skinny up to SKINNY_MAX_M, then the tile kernel (block) and cuBLASLt (per channel)
+    # what the dispatch runs: skinny up to SKINNY_MAX_M, then the tile kernel (block) and cuBLASLt (per channel);
+    # one token of an FP8 model with per-channel weights runs weight-only (the fp8_linear ops)
+    channel = row.get("weight_only_us", row.get("skinny_channel_us", row["cublas_rowwise_us"]))
     row["block_of_roofline"] = row["roofline_us"] / row.get("skinny_block_us", row["triton_block_us"])
-    row["channel_of_roofline"] = row["roofline_us"] / row.get("skinny_channel_us", row["cublas_rowwise_us"])
+    row["channel_of_roofline"] = row["roofline_us"] / channel
     if args.sweep:
         tile_block = partial(tile, scale=s_block, scale_block=(128, 128), group=128)
         best_us, best = min(

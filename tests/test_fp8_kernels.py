@@ -235,7 +235,6 @@ def test_skinny_gemm_configs(m, config, scheme, static):
     assert not common.ticket_counters(x_q.device, 1).any()
 
 
-FP8_PROLOGUES = ["none", "rms_norm", "add_rms_norm", "silu_mul"]
 # prologue -> (the fp8_linear op's Triton implementation, its reference)
 FP8_LINEARS = {
     "none": (gemm.fp8_linear, fp8_linear_reference),
@@ -243,6 +242,7 @@ FP8_LINEARS = {
     "add_rms_norm": (gemm.fused_add_rms_norm_fp8_linear, fused_add_rms_norm_fp8_linear_reference),
     "silu_mul": (gemm.silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_reference),
 }
+FP8_PROLOGUES = list(FP8_LINEARS)
 
 
 def fp8_linear_case(prologue: str, n: int, k: int, m: int = 1, per_tensor: bool = False):
@@ -321,10 +321,13 @@ def test_skinny_gemv_weight_only_refusals():
 
 
 @gpu_only
-@pytest.mark.parametrize("prologue", FP8_PROLOGUES)
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336)])
+@pytest.mark.parametrize(
+    "prologue,n,k",
+    [("add_rms_norm", 6144, 4096), ("none", 4096, 4096), ("add_rms_norm", 28672, 4096), ("silu_mul", 4096, 14336)],
+)
 def test_skinny_gemv_weight_only_gpu_shapes(prologue, n, k):
-    """Llama-3-8B's projections, the o_proj's 16 MB through the weight-first GEMV, the others pipelined."""
+    """Llama-3-8B's projections with the op in front of each (qkv, o, gate_up, down): o_proj's 16 MB through the
+    weight-first GEMV, the others pipelined."""
     args, _ = fp8_linear_case(prologue, n, k)
     fused, reference = FP8_LINEARS[prologue]
     out, expected = fused(*args), reference(*args)

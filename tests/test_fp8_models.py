@@ -260,6 +260,8 @@ def test_artifact_generates_like_dequantized_hf(which, request, tmp_path):
     fused = {p["name"]: p["matches"] for p in manifest["passes"]}
     dynamic = which != "static_llama"
     assert fused["rms_norm_quant"] == (4 if dynamic else 0) and fused["silu_mul_quant"] == (2 if dynamic else 0)
+    # per-token quantizers and their GEMMs (each layer's four); block scales keep scaled_mm_blockwise
+    assert fused["fp8_linear"] == (8 if which == "channel_qwen3" else 0)
     assert manifest["kv_cache_scales"] == (
         "per-tensor, from the checkpoint" if which == "channel_qwen3" else "per-tensor, 1.0"
     )

@@ -121,21 +121,35 @@ def test_quantizers_into_their_gemms_on_fp8_model(tiny_llama):
 
 
 def test_fp8_linear_leaves_block_scales_and_shared_quantizers():
-    """Grouped scales (block checkpoints) and a quantizer feeding two GEMMs are not fused."""
+    """Grouped scales (block checkpoints), a quantizer feeding two GEMMs, and a residual sum used before the GEMM
+    are not fused."""
     w_q = torch.randn(8, 16).to(torch.float8_e4m3fn)
 
-    def graph(group: int, gemms: int):
+    def graph(group: int = 0, gemms: int = 1, blockwise: bool = False):
         g = torch.fx.Graph()
         x, w, ws = g.placeholder("x"), g.placeholder("w"), g.placeholder("ws")
         quant = g.call_function(torch.ops.atom.quant_fp8_per_token.default, (x, group))
         x_q, x_s = (g.call_function(operator.getitem, (quant, i)) for i in range(2))
-        mm = torch.ops.atom.scaled_mm.default
-        g.output(tuple(g.call_function(mm, (x_q, x_s, w, ws, None, torch.float32)) for _ in range(gemms)))
+        mm, extra = torch.ops.atom.scaled_mm.default, ()
+        if blockwise:
+            mm, extra = torch.ops.atom.scaled_mm_blockwise.default, (128, 128)
+        g.output(tuple(g.call_function(mm, (x_q, x_s, w, ws, None, torch.float32, *extra)) for _ in range(gemms)))
         return torch.fx.GraphModule(torch.nn.Module(), g)
 
-    for group, gemms in [(8, 1), (0, 2)]:
-        assert run_passes(graph(group, gemms), ["fp8_linear"])[0].matches == 0
-    gm = graph(0, 1)
+    def residual_graph(sum_used_before_gemm: bool):
+        g = torch.fx.Graph()
+        x, res, norm, w, ws = (g.placeholder(name) for name in ("x", "res", "norm", "w", "ws"))
+        quant = g.call_function(torch.ops.atom.fused_add_rms_norm_quant_fp8.default, (x, res, norm, 1e-6, 0))
+        x_q, x_s, summed = (g.call_function(operator.getitem, (quant, i)) for i in range(3))
+        early = g.call_function(torch.neg, (summed,)) if sum_used_before_gemm else None
+        mm = g.call_function(torch.ops.atom.scaled_mm.default, (x_q, x_s, w, ws, None, torch.float32))
+        g.output((mm, early if early is not None else g.call_function(torch.neg, (summed,))))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    for unfused in (graph(group=8), graph(gemms=2), graph(blockwise=True), residual_graph(True)):
+        assert run_passes(unfused, ["fp8_linear"])[0].matches == 0
+    assert run_passes(residual_graph(False), ["fp8_linear"])[0].matches == 1
+    gm = graph()
     x, ws = torch.randn(3, 16), torch.rand(8, 1)
     before = gm(x, w_q, ws)
     assert run_passes(gm, ["fp8_linear"])[0].matches == 1
@@ -230,8 +244,14 @@ def test_cleanup_keeps_cache_writes_without_users(tiny_llama):
 
 
 def test_pipeline_edits():
-    default = ["rms_norm_quant", "silu_mul_quant", "fp8_linear", "rms_norm_linear", "silu_mul_linear"]
-    default.append("qk_norm_rope_cache")
+    default = [
+        "rms_norm_quant",
+        "silu_mul_quant",
+        "fp8_linear",
+        "rms_norm_linear",
+        "silu_mul_linear",
+        "qk_norm_rope_cache",
+    ]
     assert resolve_pipeline(None) == [*default, "rope_cache", "cleanup"]
     assert resolve_pipeline("-rope_cache,-cleanup") == default
     assert resolve_pipeline(["rope_cache", "cleanup"]) == ["rope_cache", "cleanup"]

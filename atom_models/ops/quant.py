@@ -52,9 +52,14 @@ def scaled_mm(
     return implementation("scaled_mm", x_q.device)(x_q, x_scale, w_q, w_scale, bias, out_dtype)
 
 
+def _projection_like(x: Tensor, w: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The fake output of x [..., K] through a weight [N, K]: [..., N] in out_dtype."""
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype)
+
+
 @scaled_mm.register_fake
 def _(x_q, x_scale, w_q, w_scale, bias, out_dtype):
-    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+    return _projection_like(x_q, w_q, out_dtype)
 
 
 @torch.library.custom_op("atom::scaled_mm_blockwise", mutates_args=())
@@ -79,7 +84,7 @@ def scaled_mm_blockwise(
 
 @scaled_mm_blockwise.register_fake
 def _(x_q, x_scale, w_q, w_scale, bias, out_dtype, block_n, block_k):
-    return x_q.new_empty((*x_q.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+    return _projection_like(x_q, w_q, out_dtype)
 
 
 @torch.library.custom_op("atom::rms_norm_quant_fp8", mutates_args=())
@@ -175,9 +180,10 @@ def silu_and_mul_quant_fp8_reference(x, group_size=0):
 # and the `scaled_mm` that is its one user, as one op (the fp8_linear pass). For several tokens that is the
 # quantizer and then `scaled_mm` on the FP8 tensor cores. For one token (a batch-1 decode step) it is weight-only:
 # x stays unquantized. Its GEMV runs on CUDA cores, where an FP8 x saves nothing, and quantizing x first costs a
-# kernel a projection, or a pass over the row in every program of the GEMV (that took Llama-3-8B's FP8 batch-1
+# kernel a projection, or passes over the row in every program of the GEMV (that took Llama-3-8B's FP8 batch-1
 # step from 4.05 to 4.77 ms on an H100). The one exception to "a fusion never changes the function computed":
-# one token loses the activation's rounding, which brings it closer to the unquantized model.
+# one token loses the activation's rounding, which brings it closer to the unquantized model, so a request decoded
+# alone and the same request in a batch differ by that rounding (`--passes=-fp8_linear` keeps it everywhere).
 
 
 def one_token(x: Tensor) -> bool:
@@ -193,7 +199,7 @@ def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None, out
 
 @fp8_linear.register_fake
 def _(x, w_q, w_scale, bias, out_dtype):
-    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+    return _projection_like(x, w_q, out_dtype)
 
 
 @register_impl("fp8_linear", "torch")
@@ -219,7 +225,7 @@ def rms_norm_fp8_linear(
 
 @rms_norm_fp8_linear.register_fake
 def _(x, norm_weight, eps, w_q, w_scale, bias, out_dtype):
-    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+    return _projection_like(x, w_q, out_dtype)
 
 
 @register_impl("rms_norm_fp8_linear", "torch")
@@ -246,7 +252,7 @@ def fused_add_rms_norm_fp8_linear(
 
 @fused_add_rms_norm_fp8_linear.register_fake
 def _(x, residual, norm_weight, eps, w_q, w_scale, bias, out_dtype):
-    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype), torch.empty_like(x)
+    return _projection_like(x, w_q, out_dtype), torch.empty_like(x)
 
 
 @register_impl("fused_add_rms_norm_fp8_linear", "torch")
@@ -267,7 +273,7 @@ def silu_and_mul_fp8_linear(
 
 @silu_and_mul_fp8_linear.register_fake
 def _(x, w_q, w_scale, bias, out_dtype):
-    return x.new_empty((*x.shape[:-1], w_q.shape[0]), dtype=out_dtype)
+    return _projection_like(x, w_q, out_dtype)
 
 
 @register_impl("silu_and_mul_fp8_linear", "torch")

@@ -427,8 +427,8 @@ def _skinny_mm_kernel(
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
 
     SCALED: fp8 operands with the scales of `_scaled_mm_kernel`; else plain bf16/fp16 ones (`linear`).
-    Not X_SCALED (one token, the CUDA-core GEMV): x is unquantized (bf16/fp16) and only the fp8 weight is
-    scaled, the weight-only product of `fp8_linear` (it takes prologues, as the bf16 GEMV does).
+    SCALED without X_SCALED (one token, the CUDA-core GEMV): x is unquantized (bf16/fp16) and only the fp8
+    weight is scaled, the weight-only product of `fp8_linear` (it takes prologues, as the bf16 GEMV does).
     PROLOGUE (one token, the CUDA-core GEMV only; see `_gemv_operand`): RMS_NORM normalises x (plus the
     residual at res_ptr, if given, whose sum goes to sum_ptr) with weight g_ptr and eps first; SILU_MUL takes
     x = [gate | up] of 2K columns.
@@ -566,8 +566,9 @@ def run_skinny_mm(
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     scaled, x_scaled = ws is not None, x_scale is not None
-    x_scale = _activation_scales(x_scale) if x_scaled else out[:1, :1]  # unused: one element, so not grouped
-    ws = ws if scaled else x_scale
+    unused = out[:1, :1]  # for the scale pointers a launch does not read: one element, so nothing looks grouped
+    x_scale = _activation_scales(x_scale) if x_scaled else unused
+    ws = ws if scaled else unused
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
