@@ -6,7 +6,10 @@ Nothing is allocated per step, and a CUDA graph captured over these buffers repl
 whatever the latest step wrote into them.
 
 Two sets of host buffers take turns: the host fills one for step N+1 while the copies of
-step N may still be queued behind the GPU's work. Tokens sampled by the step still in
+step N may still be queued behind the GPU's work. A set is refilled only once the copies made from
+it have run (an event each): the host usually runs at most a step ahead, waiting for the tokens
+the step before sampled, but steps that sample nothing (the chunks of a long prompt) let it run
+further ahead. Tokens sampled by the step still in
 flight are not known on the host yet (they are PLACEHOLDER there); they are copied into
 this step's input ids on the device, from the previous step's sampled tensor.
 """
@@ -47,6 +50,7 @@ class StepInputs:
             return {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
 
         self.hosts = [host_set(), host_set()] if pin else [host_set()]
+        self.copied = [torch.cuda.Event() for _ in self.hosts] if pin else [None]  # each set's copies have run
         self.host_arrays = [{name: t.numpy() for name, t in host.items()} for host in self.hosts]  # views, made once
         self.turn = 0
         # Per host set and row: the block-table list its row was copied from, and how much of it. Tables
@@ -76,6 +80,9 @@ class StepInputs:
         sequences whose last token is a placeholder.
         """
         host, arrays = self.hosts[self.turn], self.host_arrays[self.turn]
+        copied = self.copied[self.turn]
+        if copied is not None:
+            copied.synchronize()  # the copies of the step that last used this set (long done, as a rule)
         num_seqs = len(chunks)
         self._write_tables(chunks)
         arrays["query_start_loc"][0] = 0
@@ -107,6 +114,8 @@ class StepInputs:
             t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
         self.turn = (self.turn + 1) % len(self.hosts)
         self._upload(host, t, num_seqs, logits, carried)
+        if copied is not None:
+            copied.record()
         if carried:
             if in_flight is None:
                 raise RuntimeError("a sequence waits for a token that no step in flight is sampling")

@@ -9,6 +9,7 @@ from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import EngineConfig
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import Sequence
+from atom_runtime.step_inputs import StepInputs
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +157,25 @@ def test_piecewise_graphs_equal_plain_forward(llama_artifact):
         piecewise.release()
     finally:
         llm.shutdown()
+
+
+def test_step_inputs_wait_for_a_host_set_copies_before_refilling_it():
+    """A host buffer set is refilled only after the copies made from it have run: load waits on the set's event
+    before writing it and records the event after queueing its copies (steps that sample nothing do not hold the
+    host back, so without the wait it could overwrite a set whose copies are still queued)."""
+    inputs = StepInputs(max_tokens=16, max_seqs=2, max_blocks_per_seq=2, block_size=8, device=torch.device("cpu"))
+    seq = Sequence("s", 0, list(range(6)), SamplingParams())
+    seq.block_table = [3, 4]
+    calls: list[tuple[str, list[int]]] = []
+
+    class Event:  # records what the host set held when the runtime waited on, then re-armed, the event
+        def synchronize(self):
+            calls.append(("wait", inputs.hosts[0]["positions"][:2].tolist()))
+
+        def record(self):
+            calls.append(("record", inputs.hosts[0]["positions"][:2].tolist()))
+
+    inputs.copied = [Event()]
+    inputs.load([ScheduledChunk(seq, 0, 2)])
+    inputs.load([ScheduledChunk(seq, 2, 2)])
+    assert calls == [("wait", [0, 0]), ("record", [0, 1]), ("wait", [0, 1]), ("record", [2, 3])]
