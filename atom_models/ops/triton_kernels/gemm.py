@@ -667,11 +667,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 FUSED_LINEAR_MAX_M = 1
 
 
+def _gemv(x, w, w_scale, bias, out_dtype, prologue=None) -> Tensor:
+    """One token through `w` (fp8 with per-row `w_scale`, or unscaled) on the CUDA cores, after `prologue`."""
+    return run_skinny_mm(x, None, w, w_scale, bias, out_dtype, (1, w.shape[1]), prologue=prologue)
+
+
 @register_impl("rms_norm_linear", "triton")
 def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
     if _skinny_linear(x, weight, FUSED_LINEAR_MAX_M):
-        prologue = RMSNormPrologue(norm_weight, eps)
-        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=prologue)
+        return _gemv(x, weight, None, bias, x.dtype, RMSNormPrologue(norm_weight, eps))
     return linear(rms_norm(x, norm_weight, eps), weight, bias)
 
 
@@ -681,8 +685,7 @@ def fused_add_rms_norm_linear(
 ) -> tuple[Tensor, Tensor]:
     if _skinny_linear(x, weight, FUSED_LINEAR_MAX_M):
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
-        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=prologue), summed
+        return _gemv(x, weight, None, bias, x.dtype, RMSNormPrologue(norm_weight, eps, residual, summed)), summed
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), summed
 
@@ -690,28 +693,24 @@ def fused_add_rms_norm_linear(
 @register_impl("silu_and_mul_linear", "triton")
 def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if _skinny_linear(x, weight, FUSED_LINEAR_MAX_M):
-        return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]), prologue=SiluMulPrologue())
+        return _gemv(x, weight, None, bias, x.dtype, SiluMulPrologue())
     return linear(silu_and_mul(x), weight, bias)
 
 
 # The FP8 linears (quant.py's fp8_linear ops): one token through the weight-only GEMV, its norm or SiLU·mul as the
 # prologue, so a decoder layer of an FP8 model runs the kernels of a bf16 one; more tokens through the quantizer
 # kernel and then `scaled_mm`.
-def _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, prologue=None) -> Tensor:
-    return run_skinny_mm(x, None, w_q, w_scale, bias, out_dtype, (1, w_q.shape[1]), prologue=prologue)
-
-
 @register_impl("fp8_linear", "triton")
 def fp8_linear(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     if one_token(x):
-        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype)
+        return _gemv(x, w_q, w_scale, bias, out_dtype)
     return scaled_mm(*quant_fp8_per_token(x), w_q, w_scale, bias, out_dtype)
 
 
 @register_impl("rms_norm_fp8_linear", "triton")
 def rms_norm_fp8_linear(x, norm_weight, eps, w_q, w_scale, bias, out_dtype) -> Tensor:
     if one_token(x):
-        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, RMSNormPrologue(norm_weight, eps))
+        return _gemv(x, w_q, w_scale, bias, out_dtype, RMSNormPrologue(norm_weight, eps))
     return scaled_mm(*rms_norm_quant_fp8(x, norm_weight, eps), w_q, w_scale, bias, out_dtype)
 
 
@@ -722,7 +721,7 @@ def fused_add_rms_norm_fp8_linear(
     if one_token(x):
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
-        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, prologue), summed
+        return _gemv(x, w_q, w_scale, bias, out_dtype, prologue), summed
     x_q, x_scale, summed = fused_add_rms_norm_quant_fp8(x, residual, norm_weight, eps)
     return scaled_mm(x_q, x_scale, w_q, w_scale, bias, out_dtype), summed
 
@@ -730,5 +729,5 @@ def fused_add_rms_norm_fp8_linear(
 @register_impl("silu_and_mul_fp8_linear", "triton")
 def silu_and_mul_fp8_linear(x, w_q, w_scale, bias, out_dtype) -> Tensor:
     if one_token(x):
-        return _weight_only_gemv(x, w_q, w_scale, bias, out_dtype, SiluMulPrologue())
+        return _gemv(x, w_q, w_scale, bias, out_dtype, SiluMulPrologue())
     return scaled_mm(*silu_and_mul_quant_fp8(x), w_q, w_scale, bias, out_dtype)
