@@ -324,6 +324,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=400, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's max_model_len (default: what the timed steps need); larger means longer block-table rows",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_decode.json"))
     parser.add_argument(
         "--profile",
@@ -334,16 +340,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    needed = (
+        args.context
+        + args.steps
+        + prefill_steps(max(args.batch_sizes), args.context, EngineConfig().max_num_batched_tokens)
+        + 16
+    )
+    if args.max_model_len is not None and args.max_model_len < needed:
+        parser.error(f"--max-model-len must be at least {needed} for this context and step count")
 
     with tempfile.TemporaryDirectory() as tmp:
         artifact = args.artifact or dummy_artifact(args.preset, Path(tmp), "cuda")
         llm = LLM(
             artifact,
             max_num_seqs=max(args.batch_sizes),
-            max_model_len=args.context
-            + args.steps
-            + prefill_steps(max(args.batch_sizes), args.context, EngineConfig().max_num_batched_tokens)
-            + 16,
+            max_model_len=args.max_model_len or needed,
             enable_prefix_caching=False,
             cudagraph_capture_sizes=args.batch_sizes,
             kv_cache_dtype=args.kv_cache_dtype,

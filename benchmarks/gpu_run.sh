@@ -26,7 +26,7 @@ for stage in "$@"; do
         | grep -v -e Warning -e "M=" | tee "$OUT/gemm.log" | tail -80 ;;
     kernels) python3 benchmarks/bench_kernels.py ${KERNELS_SWEEP:+--sweep} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes ${DECODE_BATCHES:-1 8 64 256} --context 400 --profile \
-             --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
+             ${DECODE_MAX_MODEL_LEN:+--max-model-len $DECODE_MAX_MODEL_LEN} --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
     decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes ${DECODE_BATCHES:-1 8 64 256} --context 400 --profile \
              --out "$OUT/decode-llama-3-8b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
     offline-8b) python3 benchmarks/bench_offline.py --preset llama-3-8b --num-prompts 1000 --input-len 1024 \
