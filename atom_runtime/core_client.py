@@ -56,18 +56,21 @@ class EngineProcessSettings:
     """
 
     running = 0  # engines started and not shut down
-    _lock = threading.Lock()
+    # Reentrant: a collection while the lock is held may finalize an engine left running (`LLM.__del__`),
+    # whose shutdown stops it here on the same thread. Such an engine is counted, so it never takes `running`
+    # to zero inside `engine_started`, which counts the new engine first.
+    _lock = threading.RLock()
     _switch_interval = 0.0
 
     @classmethod
     def engine_started(cls) -> None:
+        gc.collect()
         with cls._lock:
-            if not cls.running:
+            cls.running += 1
+            if cls.running == 1:
                 cls._switch_interval = sys.getswitchinterval()
                 sys.setswitchinterval(min(cls._switch_interval, GIL_SWITCH_INTERVAL_S))
-            gc.collect()
             gc.freeze()
-            cls.running += 1
 
     @classmethod
     def engine_stopped(cls) -> None:

@@ -195,3 +195,24 @@ def test_tokenize_ignores_a_truncation_the_tokenizer_file_ships_with(tiny_llama,
         assert len(llm.tokenizer.encode(text)) > 8
     finally:
         llm.shutdown()
+
+
+def test_an_engine_left_running_is_stopped_by_the_collector_while_another_starts(tiny_llama):
+    """An LLM never shut down and reachable only through a reference cycle (a failed test's traceback) is
+    freed inside the collection that `engine_started` runs, perhaps while it holds the settings' lock; its
+    shutdown takes that lock again on the same thread (it deadlocked the GPU test run after a failure)."""
+    before = EngineProcessSettings.running
+    leaked = LLM(tiny_llama, device="cpu", block_size=4)
+    cycle = [leaked]  # made after the engine froze what it loaded, so the collector frees it
+    cycle.append(cycle)
+    del leaked, cycle
+    finished = threading.Event()
+
+    def collect_holding_the_lock():
+        with EngineProcessSettings._lock:  # as a collection triggered inside engine_started would
+            gc.collect()
+        finished.set()
+
+    threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+    assert finished.wait(timeout=60), "the collected engine's shutdown deadlocked on the settings' lock"
+    assert EngineProcessSettings.running == before
