@@ -12,6 +12,10 @@ the step before sampled, but steps that sample nothing (the chunks of a long pro
 further ahead. Tokens sampled by the step still in
 flight are not known on the host yet (they are PLACEHOLDER there); they are copied into
 this step's input ids on the device, from the previous step's sampled tensor.
+
+A copy the device buffer does not need is skipped: a field whose rows equal what was last copied
+(decode batches repeat their query offsets, logits rows and carry rows), and block-table rows whose
+table has not grown or changed since (a row can be 10 KB at long context: 2.6 MB a step at batch 256).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from atom_models.layers import AttentionMetadata
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import PLACEHOLDER
 
+# A padded sequence's block-table row (zeros), as `StepInputs.device_tables` records it.
+PADDING = ("padding", 0)
 # From this many sequences on, a step's inputs are written with numpy over the whole batch (the crossover
 # measured on CPU: below it, numpy's per-call overhead costs more than per-sequence scalar writes).
 VECTORIZE_FROM = 40
@@ -63,6 +69,10 @@ class StepInputs:
             self.gpu = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
+        # What the device buffers hold: each field's rows as last copied (None: unknown), and per block-table row
+        # the table it was copied from and how much of it (PADDING: a padded sequence's zeros).
+        self.device_fields: dict[str, np.ndarray | None] = dict.fromkeys(shapes)
+        self.device_tables: list[tuple[object, int]] = [(None, -1)] * max_seqs
 
     def load(
         self,
@@ -85,6 +95,7 @@ class StepInputs:
             copied.synchronize()  # the copies of the step that last used this set (long done, as a rule)
         num_seqs = len(chunks)
         self._write_tables(chunks)
+        wanted_tables = [(c.seq.block_table, len(c.seq.block_table)) for c in chunks]
         arrays["query_start_loc"][0] = 0
         if num_seqs < VECTORIZE_FROM:
             t, logits, carried = self._write_each(chunks, arrays)
@@ -112,8 +123,9 @@ class StepInputs:
             qsl[num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
             arrays["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
             t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
+            wanted_tables += [PADDING] * pad
         self.turn = (self.turn + 1) % len(self.hosts)
-        self._upload(host, t, num_seqs, logits, carried)
+        self._upload(host, arrays, t, num_seqs, logits, carried, wanted_tables)
         if copied is not None:
             copied.record()
         if carried:
@@ -121,6 +133,7 @@ class StepInputs:
                 raise RuntimeError("a sequence waits for a token that no step in flight is sampling")
             rows = in_flight.index_select(0, self.gpu["carry_from"][:carried])
             self.gpu["input_ids"].index_copy_(0, self.gpu["carry_to"][:carried], rows)
+            self.device_fields["input_ids"] = None  # the device's ids now differ from any host copy
         return t, num_seqs, logits
 
     def _write_tables(self, chunks: list[ScheduledChunk]) -> None:
@@ -205,14 +218,23 @@ class StepInputs:
         arrays["logits_indices"][: len(sampled)] = sampled
         return t, len(sampled), carried
 
-    def _upload(self, host: dict[str, Tensor], tokens: int, seqs: int, logits: int, carried: int) -> None:
+    def _upload(
+        self,
+        host: dict[str, Tensor],
+        arrays: dict[str, np.ndarray],
+        tokens: int,
+        seqs: int,
+        logits: int,
+        carried: int,
+        wanted_tables: list[tuple[object, int]],
+    ) -> None:
+        """Copy what the step reads and the device buffers lack (`wanted_tables`: each row's (table, length))."""
         if self.gpu is host:
             return
         sizes = {
             "input_ids": tokens,
             "positions": tokens,
             "slot_mapping": tokens,
-            "block_tables": seqs,
             "seq_lens": seqs,
             "query_start_loc": seqs + 1,
             "logits_indices": logits,
@@ -220,8 +242,23 @@ class StepInputs:
             "carry_from": carried,
         }
         for name, n in sizes.items():
-            if n:
-                self.gpu[name][:n].copy_(host[name][:n], non_blocking=True)
+            held, rows = self.device_fields[name], arrays[name][:n]
+            if n and not (held is not None and len(held) >= n and np.array_equal(held[:n], rows)):
+                self._copy(host, name, 0, n)
+                self.device_fields[name] = rows.copy()
+        # Block tables: one copy over the rows that changed (tables grow a block every block_size tokens).
+        stale = [i for i, (table, length) in enumerate(wanted_tables) if self._table_stale(i, table, length)]
+        if stale:
+            lo, hi = stale[0], stale[-1] + 1
+            self._copy(host, "block_tables", lo, hi)
+            self.device_tables[lo:hi] = wanted_tables[lo:hi]
+
+    def _copy(self, host: dict[str, Tensor], name: str, lo: int, hi: int) -> None:
+        self.gpu[name][lo:hi].copy_(host[name][lo:hi], non_blocking=True)
+
+    def _table_stale(self, row: int, table: object, length: int) -> bool:
+        held, held_length = self.device_tables[row]
+        return held is not table or held_length != length
 
     def views(self, tokens: int, seqs: int, logits: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """(input_ids, positions, metadata, logits_indices) over the first rows of the device buffers."""

@@ -8,7 +8,7 @@ import torch
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import EngineConfig
 from atom_runtime.scheduler import ScheduledChunk
-from atom_runtime.sequence import Sequence
+from atom_runtime.sequence import PLACEHOLDER, Sequence
 from atom_runtime.step_inputs import StepInputs
 
 
@@ -197,3 +197,53 @@ def test_step_inputs_wait_for_a_host_set_copies_before_refilling_it():
     inputs.load([ScheduledChunk(seq, 0, 2)])
     inputs.load([ScheduledChunk(seq, 2, 2)])
     assert calls == [("wait", [0, 0]), ("record", [0, 1]), ("wait", [0, 1]), ("record", [2, 3])]
+
+
+def test_step_inputs_copy_only_what_the_device_lacks():
+    """With device buffers of their own (as on a GPU), the device holds every step's inputs, though a field equal
+    to what it holds and block-table rows whose table is unchanged are not copied again."""
+    inputs = StepInputs(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, block_size=8, device=torch.device("cpu"))
+    inputs.gpu = {name: torch.full_like(t, -7) for name, t in inputs.hosts[0].items()}  # not the host's buffers
+    copied: list[tuple[str, int, int]] = []
+    copy = inputs._copy
+    inputs._copy = lambda host, name, lo, hi: (copied.append((name, lo, hi)), copy(host, name, lo, hi))
+    seqs = [Sequence(f"s{i}", 0, list(range(5 + i)), SamplingParams()) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [10 * i, 10 * i + 1]
+
+    def step(chunks, pad=None):
+        copied.clear()
+        tokens, num_seqs, logits = inputs.load(chunks, pad_seqs_to=pad)
+        host = inputs.hosts[0]
+        for name, n in [("input_ids", tokens), ("positions", tokens), ("slot_mapping", tokens)]:
+            assert torch.equal(inputs.gpu[name][:n], host[name][:n]), name
+        for name, n in [("block_tables", num_seqs), ("seq_lens", num_seqs), ("query_start_loc", num_seqs + 1)]:
+            assert torch.equal(inputs.gpu[name][:n], host[name][:n]), name
+        assert torch.equal(inputs.gpu["logits_indices"][:logits], host["logits_indices"][:logits])
+        return {name for name, _, _ in copied}, [(lo, hi) for name, lo, hi in copied if name == "block_tables"]
+
+    def decode(seq):
+        seq.token_ids.append(len(seq.token_ids))
+        return ScheduledChunk(seq, len(seq.token_ids) - 1, 1)
+
+    step([ScheduledChunk(seq, 0, len(seq.token_ids)) for seq in seqs])  # prefill
+    names, tables = step([decode(seq) for seq in seqs])
+    assert names == {"input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices", "query_start_loc"}
+    names, tables = step([decode(seq) for seq in seqs])  # the same batch shape: offsets and logits rows held
+    assert names == {"input_ids", "positions", "slot_mapping", "seq_lens"} and tables == []
+    seqs[1].block_table.append(11)  # one table grows: its row alone
+    assert step([decode(seq) for seq in seqs])[1] == [(1, 2)]
+    seqs[0].block_table = [30, 31, 32]  # one is replaced, and the last sequence leaves (padding takes its row)
+    names, tables = step([decode(seq) for seq in seqs[:2]], pad=3)
+    assert tables == [(0, 3)]
+    assert step([decode(seq) for seq in seqs[:2]], pad=3)[1] == []
+    # a token still on the device: carried into the device's ids, which then differ from any host copy
+    seq = seqs[2]
+    seq.token_ids.append(PLACEHOLDER)
+    seq.sample_row = 1
+    inputs.load([ScheduledChunk(seq, len(seq.token_ids) - 1, 1)], in_flight=torch.tensor([5, 77]))
+    assert inputs.gpu["input_ids"][0] == 77
+    seq.token_ids[-1] = 77
+    copied.clear()
+    inputs.load([ScheduledChunk(seq, len(seq.token_ids) - 1, 1)])  # the host now knows the token: ids are copied
+    assert ("input_ids", 0, 1) in copied and inputs.gpu["input_ids"][0] == 77
