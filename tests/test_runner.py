@@ -247,3 +247,31 @@ def test_step_inputs_copy_only_what_the_device_lacks():
     copied.clear()
     inputs.load([ScheduledChunk(seq, len(seq.token_ids) - 1, 1)])  # the host now knows the token: ids are copied
     assert ("input_ids", 0, 1) in copied and inputs.gpu["input_ids"][0] == 77
+
+
+def test_step_inputs_copy_block_table_rows_in_runs():
+    """Changed block-table rows far apart (long rows: 64 KB each here) are copied as separate runs, not as one copy
+    over every row between them; near ones share a copy."""
+    inputs = StepInputs(max_tokens=8, max_seqs=6, max_blocks_per_seq=16384, block_size=8, device=torch.device("cpu"))
+    inputs.gpu = {name: torch.full_like(t, -7) for name, t in inputs.hosts[0].items()}
+    copied: list[tuple[int, int]] = []
+    copy = inputs._copy
+
+    def recording_copy(host, name, lo, hi):
+        if name == "block_tables":
+            copied.append((lo, hi))
+        copy(host, name, lo, hi)
+
+    inputs._copy = recording_copy
+    seqs = [Sequence(f"s{i}", 0, [1, 2], SamplingParams()) for i in range(6)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i]
+    chunks = [ScheduledChunk(seq, 1, 1) for seq in seqs]
+    inputs.load(chunks)
+    assert copied == [(0, 6)]
+    copied.clear()
+    for i in (0, 1, 4):
+        seqs[i].block_table.append(10 + i)
+    inputs.load(chunks)
+    assert copied == [(0, 2), (4, 5)]
+    assert torch.equal(inputs.gpu["block_tables"][:6], inputs.hosts[0]["block_tables"][:6])
