@@ -119,10 +119,18 @@ def _rope_cache_kernel(
     HAS_SCALES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, HALF_P)
     col_mask = cols < HALF
+    # The step's positions and slots and the cos/sin table: nothing the kernel before writes, so they are read
+    # while it may still run (under PDL), and the position -> cos/sin round trip leaves the critical path.
+    if ROPE:
+        cos_ptr = cos_sin_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_cos + cols
+        cos = tl.load(cos_ptr, mask=col_mask, other=0.0).to(ACT_DTYPE).to(tl.float32)[None, :]
+        sin = tl.load(cos_ptr + HALF, mask=col_mask, other=0.0).to(ACT_DTYPE).to(tl.float32)[None, :]
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+    wait_for_previous_kernel(USE_PDL)
     kv_heads = tl.arange(0, KV_HEADS_P)
     kv_mask = (kv_heads < NUM_KV_HEADS)[:, None] & col_mask[None, :]
     k1, k2 = _load_halves(k_ptr + t * stride_kt, kv_heads, cols, kv_mask, stride_kh, HALF)
@@ -133,16 +141,12 @@ def _rope_cache_kernel(
         if QK_NORM:
             q1, q2 = _rms_norm_halves(q1, q2, q_w_ptr, cols, col_mask, eps, IN_DTYPE, ACT_DTYPE, HALF)
             k1, k2 = _rms_norm_halves(k1, k2, k_w_ptr, cols, col_mask, eps, IN_DTYPE, ACT_DTYPE, HALF)
-        cos_ptr = cos_sin_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_cos + cols
-        cos = tl.load(cos_ptr, mask=col_mask, other=0.0).to(ACT_DTYPE).to(tl.float32)[None, :]
-        sin = tl.load(cos_ptr + HALF, mask=col_mask, other=0.0).to(ACT_DTYPE).to(tl.float32)[None, :]
         q1, q2 = _rotate(q1, q2, cos, sin, ACT_DTYPE)
         k1, k2 = _rotate(k1, k2, cos, sin, ACT_DTYPE)
         _store_halves(q_out_ptr + t * stride_qot, q1, q2, q_heads, cols, q_mask, stride_qoh, HALF)
     if K_OUT:
         _store_halves(k_out_ptr + t * stride_kot, k1, k2, kv_heads, cols, kv_mask, stride_koh, HALF)
-    if WRITE_CACHE:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
+    if WRITE_CACHE:  # noqa: SIM102 (a constexpr apart: `slot` exists only where it holds)
         if slot >= 0:
             offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
             v1, v2 = _load_halves(v_ptr + t * stride_vt, kv_heads, cols, kv_mask, stride_vh, HALF)
