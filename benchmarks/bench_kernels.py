@@ -196,25 +196,19 @@ def bench_row_kernels(copy_tbps: float) -> list[dict]:
     return rows
 
 
-def sweep_configs(base: attention.AttentionConfig) -> list[attention.AttentionConfig]:
-    """The default first, then variations of one field group at a time."""
-    return (
-        [base]
-        + [
-            replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
-            for m, n, w, s in [
-                (128, 32, 4, 3),
-                (128, 64, 4, 3),
-                (128, 128, 8, 3),
-                (256, 32, 8, 3),
-                (256, 128, 8, 3),
-                (256, 64, 8, 4),
-                (64, 32, 4, 4),
-            ]
-        ]
-        + [replace(base, decode_block_n=n, decode_waves=waves) for n, waves in [(32, 4), (64, 4), (128, 8)]]
-        + [replace(base, decode_warps=8)]
-    )
+def prefill_sweep(base: attention.AttentionConfig) -> list[attention.AttentionConfig]:
+    """The default first, then other prefill tiles (the fields decode-only launches ignore)."""
+    tiles = [(128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (256, 32, 8, 3), (256, 128, 8, 3), (256, 64, 8, 4)]
+    return [base] + [replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+
+
+def decode_sweep(base: attention.AttentionConfig) -> list[attention.AttentionConfig]:
+    """The default first, then other decode tiles, programs a multiprocessor (splits) and warps."""
+    variants = [(32, 4, 4), (64, 4, 4), (128, 8, 4), (128, 2, 4), (128, 1, 4), (64, 2, 4), (32, 2, 4), (64, 4, 2)]
+    variants.append((base.decode_block_n, base.decode_waves, 8))
+    return [base] + [
+        replace(base, decode_block_n=n, decode_waves=waves, decode_warps=warps) for n, waves, warps in variants
+    ]
 
 
 HEADER = f"{'case':<30}{'kernel':<28}{'ms':>9}{'TFLOP/s':>9}{'TB/s':>7}{'rel_err':>9}  config"
@@ -242,7 +236,7 @@ def main() -> None:
         raise SystemExit("bench_kernels needs a CUDA device")
     torch.manual_seed(0)
     base = attention.default_config(HEAD_DIM)
-    configs = sweep_configs(base) if args.sweep else [base]
+    prefill_configs, decode_configs = (prefill_sweep(base), decode_sweep(base)) if args.sweep else ([base], [base])
 
     print(HEADER, flush=True)
     copy_tbps = copy_bandwidth() / 1e12
@@ -250,8 +244,8 @@ def main() -> None:
     print_rows(rows)
     steps = {
         "prefill": [
-            partial(bench_prefill, 8, 1024, configs, check=True),
-            partial(bench_prefill, 1, 8192, configs, check=False),
+            partial(bench_prefill, 8, 1024, prefill_configs, check=True),
+            partial(bench_prefill, 1, 8192, prefill_configs, check=False),
         ],
         "decode": [],
         "rows": [partial(bench_row_kernels, copy_tbps)],
@@ -259,10 +253,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     for batch, ctx in ((64, 2048), (128, 1536), (256, 1024)):
         mixed = torch.randint(1024, 2049, (batch,), generator=gen).tolist()
-        steps["decode"].append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", configs, sdpa=True))
-        steps["decode"].append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", configs[:1], sdpa=False))
-    steps["decode"].append(partial(bench_decode, [4096], "b1 ctx4096", configs, sdpa=True))
-    steps["decode"].append(partial(bench_decode, [432], "b1 ctx432", configs, sdpa=True))  # bench_decode.py's batch 1
+        steps["decode"].append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
+        steps["decode"].append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", [base], sdpa=False))
+    steps["decode"].append(partial(bench_decode, [4096], "b1 ctx4096", decode_configs, sdpa=True))
+    # bench_decode.py's batch 1
+    steps["decode"].append(partial(bench_decode, [432], "b1 ctx432", decode_configs, sdpa=True))
     for step in steps[args.only] if args.only else [s for group in steps.values() for s in group]:
         new_rows = step()
         print_rows(new_rows)
