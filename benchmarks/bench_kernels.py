@@ -255,6 +255,8 @@ def main() -> None:
         mixed = torch.randint(1024, 2049, (batch,), generator=gen).tolist()
         steps["decode"].append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
         steps["decode"].append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", [base], sdpa=False))
+    for batch, ctx in ((8, 4096), (32, 2048)):  # between batch 1 and the batch >= 64 target
+        steps["decode"].append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
     steps["decode"].append(partial(bench_decode, [4096], "b1 ctx4096", decode_configs, sdpa=True))
     # bench_decode.py's batch 1
     steps["decode"].append(partial(bench_decode, [432], "b1 ctx432", decode_configs, sdpa=True))
