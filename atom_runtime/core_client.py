@@ -57,8 +57,8 @@ class EngineProcessSettings:
 
     running = 0  # engines started and not shut down
     # Reentrant: a collection while the lock is held may finalize an engine left running (`LLM.__del__`),
-    # whose shutdown stops it here on the same thread. Such an engine is counted, so it never takes `running`
-    # to zero inside `engine_started`, which counts the new engine first.
+    # whose shutdown stops it here on the same thread. Such an engine is counted, so where one exists `first`
+    # is false, and `engine_started` counts the new engine before anything that may trigger a collection.
     _lock = threading.RLock()
     _switch_interval = 0.0
 
@@ -66,8 +66,9 @@ class EngineProcessSettings:
     def engine_started(cls) -> None:
         gc.collect()
         with cls._lock:
+            first = cls.running == 0
             cls.running += 1
-            if cls.running == 1:
+            if first:
                 cls._switch_interval = sys.getswitchinterval()
                 sys.setswitchinterval(min(cls._switch_interval, GIL_SWITCH_INTERVAL_S))
             gc.freeze()

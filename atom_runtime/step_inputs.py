@@ -31,6 +31,9 @@ from atom_runtime.sequence import PLACEHOLDER
 # Block-table rows between two changed ones that one copy takes along rather than starting another: about what
 # a small host-to-device copy costs in launch and latency (~1.5 us at ~25 GB/s).
 TABLE_GAP_BYTES = 32 << 10
+# Fields a step often repeats (decode batches of one shape: query offsets, logits rows, carry rows), compared with
+# what the device holds; the others (ids, positions, slots, lengths) change every step and are copied unlooked.
+REPEATING_FIELDS = ("query_start_loc", "logits_indices", "carry_to", "carry_from")
 # A padded sequence's block-table row (zeros), as `StepInputs.device_tables` records it.
 PADDING = ("padding", 0)
 # From this many sequences on, a step's inputs are written with numpy over the whole batch (the crossover
@@ -39,7 +42,16 @@ VECTORIZE_FROM = 40
 
 
 class StepInputs:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        host_sets: int | None = None,
+    ):
+        """`host_sets`: pinned buffer sets the steps alternate between (default: two on a GPU, one on the CPU)."""
         self.block_size = block_size
         self.device = device
         shapes = {
@@ -58,8 +70,8 @@ class StepInputs:
         def host_set() -> dict[str, Tensor]:
             return {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
 
-        self.hosts = [host_set(), host_set()] if pin else [host_set()]
-        self.copied = [torch.cuda.Event() for _ in self.hosts] if pin else [None]  # each set's copies have run
+        self.hosts = [host_set() for _ in range(host_sets or (2 if pin else 1))]
+        self.copied = [torch.cuda.Event() if pin else None for _ in self.hosts]  # each set's copies have run
         self.host_arrays = [{name: t.numpy() for name, t in host.items()} for host in self.hosts]  # views, made once
         self.turn = 0
         # Per host set and row: the block-table list its row was copied from, and how much of it. Tables
@@ -74,7 +86,7 @@ class StepInputs:
         self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
         # What the device buffers hold: each field's rows as last copied (None: unknown), and per block-table row
         # the table it was copied from and how much of it (PADDING: a padded sequence's zeros).
-        self.device_fields: dict[str, np.ndarray | None] = dict.fromkeys(shapes)
+        self.device_fields: dict[str, np.ndarray | None] = dict.fromkeys(REPEATING_FIELDS)
         self.device_tables: list[tuple[object, int]] = [(None, -1)] * max_seqs
 
     def load(
@@ -136,7 +148,6 @@ class StepInputs:
                 raise RuntimeError("a sequence waits for a token that no step in flight is sampling")
             rows = in_flight.index_select(0, self.gpu["carry_from"][:carried])
             self.gpu["input_ids"].index_copy_(0, self.gpu["carry_to"][:carried], rows)
-            self.device_fields["input_ids"] = None  # the device's ids now differ from any host copy
         return t, num_seqs, logits
 
     def _write_tables(self, chunks: list[ScheduledChunk]) -> None:
@@ -245,19 +256,24 @@ class StepInputs:
             "carry_from": carried,
         }
         for name, n in sizes.items():
+            if not n:
+                continue
+            if name not in REPEATING_FIELDS:
+                self._copy(host, name, 0, n)
+                continue
             held, rows = self.device_fields[name], arrays[name][:n]
-            if n and not (held is not None and len(held) >= n and np.array_equal(held[:n], rows)):
+            if held is None or len(held) < n or not np.array_equal(held[:n], rows):
                 self._copy(host, name, 0, n)
                 self.device_fields[name] = rows.copy()
         # Block tables: the rows that changed (a table grows a block every block_size tokens, sequences on different
         # steps), in runs; rows between two changed ones are copied along while that costs less than a copy's
         # own overhead (TABLE_GAP_BYTES).
         stale = [i for i, (table, length) in enumerate(wanted_tables) if self._table_stale(i, table, length)]
-        gap = max(1, TABLE_GAP_BYTES // self.hosts[0]["block_tables"][0].nbytes)
+        gap = TABLE_GAP_BYTES // self.hosts[0]["block_tables"][0].nbytes  # rows
         start = 0
         while start < len(stale):
             end = start + 1
-            while end < len(stale) and stale[end] - stale[end - 1] <= gap:
+            while end < len(stale) and stale[end] - stale[end - 1] - 1 <= gap:  # rows between the two
                 end += 1
             lo, hi = stale[start], stale[end - 1] + 1
             self._copy(host, "block_tables", lo, hi)

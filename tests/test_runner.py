@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
@@ -84,13 +87,24 @@ def test_cuda_graph_decode_equals_eager(tiny_llama):
 def test_long_prompt_in_chunks_on_an_idle_engine_equals_eager(tiny_llama):
     """One prompt prefilled in many 8-token chunks, nothing else running: chunks that sample nothing let the host
     queue the next step at once, so a host buffer set is refilled while its last copies may still be queued.
-    Eager steps of the same 8 tokens are the reference (a whole-prompt step has other kernels and roundings)."""
+    The reference runs the same 8-token steps eagerly and waits for each (a whole-prompt step would have other
+    kernels and roundings), so none of its buffers is refilled early."""
     prompt = " ".join(f"w{i}" for i in range(60))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = []
     for options in ({"cudagraph_capture_sizes": [1, 2, 4, 8]}, {"enforce_eager": True}):
         llm = LLM(tiny_llama, device="cuda", max_num_batched_tokens=8, num_kvcache_blocks=256, **options)
         try:
+            if options.get("enforce_eager"):
+                runner = llm.engine.core.runner
+                launch = runner.launch
+
+                def launch_and_wait(chunks, in_flight=None, launch=launch):
+                    launched = launch(chunks, in_flight)
+                    torch.cuda.synchronize()
+                    return launched
+
+                runner.launch = launch_and_wait
             assert len(llm.tokenizer.encode(prompt)) > 3 * 8
             tokens.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
         finally:
@@ -237,16 +251,6 @@ def test_step_inputs_copy_only_what_the_device_lacks():
     names, tables = step([decode(seq) for seq in seqs[:2]], pad=3)
     assert tables == [(0, 3)]
     assert step([decode(seq) for seq in seqs[:2]], pad=3)[1] == []
-    # a token still on the device: carried into the device's ids, which then differ from any host copy
-    seq = seqs[2]
-    seq.token_ids.append(PLACEHOLDER)
-    seq.sample_row = 1
-    inputs.load([ScheduledChunk(seq, len(seq.token_ids) - 1, 1)], in_flight=torch.tensor([5, 77]))
-    assert inputs.gpu["input_ids"][0] == 77
-    seq.token_ids[-1] = 77
-    copied.clear()
-    inputs.load([ScheduledChunk(seq, len(seq.token_ids) - 1, 1)])  # the host now knows the token: ids are copied
-    assert ("input_ids", 0, 1) in copied and inputs.gpu["input_ids"][0] == 77
 
 
 def test_step_inputs_copy_block_table_rows_in_runs():
@@ -275,3 +279,81 @@ def test_step_inputs_copy_block_table_rows_in_runs():
     inputs.load(chunks)
     assert copied == [(0, 2), (4, 5)]
     assert torch.equal(inputs.gpu["block_tables"][:6], inputs.hosts[0]["block_tables"][:6])
+
+
+@pytest.mark.parametrize("host_sets", [1, 2])
+def test_step_inputs_random_schedules_reach_the_device(host_sets):
+    """Random steps against an independently computed expectation of what the device must hold: sequences that
+    change rows, grow or replace their tables, get preempted (tables emptied), prefill in chunks, decode with
+    tokens still on the device (carried), padded batches and padded tokens, both write paths (few and many
+    sequences), with device buffers of their own and one or two host sets."""
+    rng = random.Random(host_sets)
+    block_size, max_blocks, max_seqs, max_tokens = 4, 16, 48, 256
+    inputs = StepInputs(max_tokens, max_seqs, max_blocks, block_size, torch.device("cpu"), host_sets=host_sets)
+    inputs.gpu = {name: torch.full_like(t, -7) for name, t in inputs.hosts[0].items()}
+    blocks = itertools.count(1000)
+    seqs = [
+        Sequence(f"s{i}", 0, [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))], SamplingParams())
+        for i in range(60)
+    ]
+    computed = dict.fromkeys(seqs, 0)
+    for _ in range(400):
+        for seq in seqs:
+            if rng.random() < 0.03 or len(seq.token_ids) >= max_blocks * block_size:  # preempted: starts over
+                seq.block_table, computed[seq] = [], 0
+                seq.token_ids = seq.token_ids[:5]
+        chunks, budget = [], max_tokens - 8
+        for seq in rng.sample(seqs, rng.randrange(1, max_seqs - 4)):
+            if computed[seq] == len(seq.token_ids):
+                seq.token_ids.append(rng.randrange(1, 50))
+            n = min(len(seq.token_ids) - computed[seq], rng.choice([1, 1, 3, 8]))
+            if n > budget:
+                continue
+            budget -= n
+            grow = [next(blocks) for _ in range(-(-(computed[seq] + n) // block_size) - len(seq.block_table))]
+            if rng.random() < 0.3:
+                seq.block_table = seq.block_table + grow  # replaced
+            else:
+                seq.block_table.extend(grow)
+            chunks.append(ScheduledChunk(seq, computed[seq], n))
+        in_flight = torch.randint(100, 200, (max_seqs,))
+        known = {}  # tokens the host learns once the step has run
+        for row, chunk in enumerate(chunks):
+            last = chunk.start + chunk.num_tokens - 1
+            if last == len(chunk.seq.token_ids) - 1 and rng.random() < 0.3:
+                known[chunk.seq] = (last, int(in_flight[row]))
+                chunk.seq.token_ids[last], chunk.seq.sample_row = PLACEHOLDER, row
+        decode_only = all(c.num_tokens == 1 for c in chunks)
+        pad_seqs = len(chunks) + rng.randrange(0, 5) if decode_only and rng.random() < 0.5 else None
+        pad_tokens = None if pad_seqs or rng.random() < 0.7 else sum(c.num_tokens for c in chunks) + rng.randrange(6)
+        inputs.load(
+            chunks, pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs), in_flight=in_flight, pad_tokens_to=pad_tokens
+        )
+        ids, positions, slots, lens, starts = [], [], [], [], [0]
+        for chunk in chunks:
+            seq = chunk.seq
+            for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                token = seq.token_ids[p]
+                ids.append(int(in_flight[seq.sample_row]) if token == PLACEHOLDER else token)
+                positions.append(p)
+                slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+            lens.append(chunk.start + chunk.num_tokens)
+            starts.append(len(ids))
+        device = inputs.gpu
+        assert device["input_ids"][: len(ids)].tolist() == ids
+        assert device["positions"][: len(ids)].tolist() == positions
+        assert device["slot_mapping"][: len(ids)].tolist() == slots
+        assert device["seq_lens"][: len(chunks)].tolist() == lens
+        assert device["query_start_loc"][: len(starts)].tolist() == starts
+        for row, chunk in enumerate(chunks):
+            assert device["block_tables"][row, : len(chunk.seq.block_table)].tolist() == chunk.seq.block_table
+        if pad_seqs:
+            padded = min(pad_seqs, max_seqs)
+            assert not device["block_tables"][len(chunks) : padded].any()
+            assert device["slot_mapping"][len(ids) : len(ids) + padded - len(chunks)].eq(-1).all()
+        sampled = [starts[row + 1] - 1 for row, chunk in enumerate(chunks) if chunk.samples]
+        assert device["logits_indices"][: len(sampled)].tolist() == sampled
+        for seq, (last, token) in known.items():
+            seq.token_ids[last] = token
+        for chunk in chunks:
+            computed[chunk.seq] = chunk.start + chunk.num_tokens

@@ -59,8 +59,10 @@ def pdl_launch(device: torch.device, wanted: bool = True) -> dict:
 
 @triton.jit
 def wait_for_previous_kernel(USE_PDL: tl.constexpr):
-    """A PDL kernel's first statement: wait until the previous kernel has finished and its writes are visible
-    (before this kernel reads or writes anything), then let the next kernel's programs launch and wait too."""
+    """A PDL kernel waits here until the previous kernel has finished and its writes are visible (before it reads
+    anything a kernel of the step writes, or writes anything), then lets the next kernel's programs launch and wait.
+    Before it, a kernel may read only what no kernel of the step writes: the step's inputs (copied before its first
+    kernel starts), weights and tables."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
