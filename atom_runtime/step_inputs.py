@@ -34,8 +34,10 @@ TABLE_GAP_BYTES = 32 << 10
 # Fields a step often repeats (decode batches of one shape: query offsets, logits rows, carry rows), compared with
 # what the device holds; the others (ids, positions, slots, lengths) change every step and are copied unlooked.
 REPEATING_FIELDS = ("query_start_loc", "logits_indices", "carry_to", "carry_from")
-# A padded sequence's block-table row (zeros), as `StepInputs.device_tables` records it.
-PADDING = ("padding", 0)
+# What a block-table row holds, as (the block-table list it was written from, how much of it): tables are only
+# ever extended in place or replaced, so the same list at the same length is the same row.
+UNKNOWN = (None, -1)
+PADDING = (None, 0)  # a padded sequence's zeros
 # From this many sequences on, a step's inputs are written with numpy over the whole batch (the crossover
 # measured on CPU: below it, numpy's per-call overhead costs more than per-sequence scalar writes).
 VECTORIZE_FROM = 40
@@ -74,20 +76,18 @@ class StepInputs:
         self.copied = [torch.cuda.Event() if pin else None for _ in self.hosts]  # each set's copies have run
         self.host_arrays = [{name: t.numpy() for name, t in host.items()} for host in self.hosts]  # views, made once
         self.turn = 0
-        # Per host set and row: the block-table list its row was copied from, and how much of it. Tables
-        # are only ever extended in place or replaced, so the same list at the same length is the same row.
-        self.tables_written: list[list[list[int] | None]] = [[None] * max_seqs for _ in self.hosts]
-        self.table_lengths: list[list[int]] = [[0] * max_seqs for _ in self.hosts]
+        # What each host set's block-table rows hold, and (below) the device's.
+        self.host_tables: list[list[tuple[list[int] | None, int]]] = [[UNKNOWN] * max_seqs for _ in self.hosts]
         if device.type == "cpu":
             self.gpu = self.hosts[0]
         else:
             self.gpu = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
-        # What the device buffers hold: each field's rows as last copied (None: unknown), and per block-table row
-        # the table it was copied from and how much of it (PADDING: a padded sequence's zeros).
+        # What the device buffers hold: each repeating field's rows as last copied (None: unknown), and each
+        # block-table row's table.
         self.device_fields: dict[str, np.ndarray | None] = dict.fromkeys(REPEATING_FIELDS)
-        self.device_tables: list[tuple[object, int]] = [(None, -1)] * max_seqs
+        self.device_tables: list[tuple[list[int] | None, int]] = [UNKNOWN] * max_seqs
 
     def load(
         self,
@@ -104,13 +104,12 @@ class StepInputs:
         attention zeroes them. `in_flight` holds the token ids sampled by the previous step, for
         sequences whose last token is a placeholder.
         """
-        host, arrays = self.hosts[self.turn], self.host_arrays[self.turn]
+        host, arrays, held = self.hosts[self.turn], self.host_arrays[self.turn], self.host_tables[self.turn]
         copied = self.copied[self.turn]
         if copied is not None:
             copied.synchronize()  # the copies of the step that last used this set (long done, as a rule)
         num_seqs = len(chunks)
-        self._write_tables(chunks)
-        wanted_tables = [(c.seq.block_table, len(c.seq.block_table)) for c in chunks]
+        self._write_tables(chunks, arrays["block_tables"], held)
         arrays["query_start_loc"][0] = 0
         if num_seqs < VECTORIZE_FROM:
             t, logits, carried = self._write_each(chunks, arrays)
@@ -133,14 +132,13 @@ class StepInputs:
             pos[t : t + pad] = 0
             slots[t : t + pad] = -1
             arrays["block_tables"][num_seqs:pad_seqs_to] = 0
-            self.tables_written[self.turn][num_seqs:pad_seqs_to] = [None] * pad
+            held[num_seqs:pad_seqs_to] = [PADDING] * pad
             arrays["seq_lens"][num_seqs:pad_seqs_to] = 1
             qsl[num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
             arrays["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
             t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
-            wanted_tables += [PADDING] * pad
         self.turn = (self.turn + 1) % len(self.hosts)
-        self._upload(host, arrays, t, num_seqs, logits, carried, wanted_tables)
+        self._upload(host, arrays, t, num_seqs, logits, carried, held)
         if copied is not None:
             copied.record()
         if carried:
@@ -150,18 +148,19 @@ class StepInputs:
             self.gpu["input_ids"].index_copy_(0, self.gpu["carry_to"][:carried], rows)
         return t, num_seqs, logits
 
-    def _write_tables(self, chunks: list[ScheduledChunk]) -> None:
-        """Copy into the block-table rows only what changed since this host set last held them."""
-        tables = self.host_arrays[self.turn]["block_tables"]
-        written, lengths = self.tables_written[self.turn], self.table_lengths[self.turn]
+    @staticmethod
+    def _write_tables(chunks: list[ScheduledChunk], tables: np.ndarray, held: list[tuple]) -> None:
+        """Write into a host set's block-table rows only what changed since they were last written (`held`)."""
         for i, chunk in enumerate(chunks):
             table = chunk.seq.block_table
-            if written[i] is not table:
+            written, length = held[i]
+            if written is not table:
                 tables[i, : len(table)] = table
-                written[i], lengths[i] = table, len(table)
-            elif lengths[i] != len(table):
-                tables[i, lengths[i] : len(table)] = table[lengths[i] :]
-                lengths[i] = len(table)
+            elif length != len(table):
+                tables[i, length : len(table)] = table[length:]
+            else:
+                continue
+            held[i] = (table, len(table))
 
     def _write_each(self, chunks: list[ScheduledChunk], arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
         """Token rows one sequence at a time: for a few sequences, scalar writes beat numpy calls."""
@@ -240,9 +239,9 @@ class StepInputs:
         seqs: int,
         logits: int,
         carried: int,
-        wanted_tables: list[tuple[object, int]],
+        held: list[tuple],
     ) -> None:
-        """Copy what the step reads and the device buffers lack (`wanted_tables`: each row's (table, length))."""
+        """Copy what the step reads and the device buffers lack (`held`: the host set's block-table rows)."""
         if self.gpu is host:
             return
         sizes = {
@@ -261,14 +260,15 @@ class StepInputs:
             if name not in REPEATING_FIELDS:
                 self._copy(host, name, 0, n)
                 continue
-            held, rows = self.device_fields[name], arrays[name][:n]
-            if held is None or len(held) < n or not np.array_equal(held[:n], rows):
+            known, rows = self.device_fields[name], arrays[name][:n]
+            if known is None or len(known) < n or not np.array_equal(known[:n], rows):
                 self._copy(host, name, 0, n)
                 self.device_fields[name] = rows.copy()
         # Block tables: the rows that changed (a table grows a block every block_size tokens, sequences on different
         # steps), in runs; rows between two changed ones are copied along while that costs less than a copy's
         # own overhead (TABLE_GAP_BYTES).
-        stale = [i for i, (table, length) in enumerate(wanted_tables) if self._table_stale(i, table, length)]
+        device = self.device_tables
+        stale = [i for i in range(seqs) if device[i][0] is not held[i][0] or device[i][1] != held[i][1]]
         gap = TABLE_GAP_BYTES // self.hosts[0]["block_tables"][0].nbytes  # rows
         start = 0
         while start < len(stale):
@@ -277,15 +277,11 @@ class StepInputs:
                 end += 1
             lo, hi = stale[start], stale[end - 1] + 1
             self._copy(host, "block_tables", lo, hi)
-            self.device_tables[lo:hi] = wanted_tables[lo:hi]
+            device[lo:hi] = held[lo:hi]
             start = end
 
     def _copy(self, host: dict[str, Tensor], name: str, lo: int, hi: int) -> None:
         self.gpu[name][lo:hi].copy_(host[name][lo:hi], non_blocking=True)
-
-    def _table_stale(self, row: int, table: object, length: int) -> bool:
-        held, held_length = self.device_tables[row]
-        return held is not table or held_length != length
 
     def views(self, tokens: int, seqs: int, logits: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """(input_ids, positions, metadata, logits_indices) over the first rows of the device buffers."""
