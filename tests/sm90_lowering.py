@@ -39,12 +39,24 @@ def argument_type(param, pointers: dict[str, str], constexprs: dict) -> str:
 
 def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> str:
     """Compiles `kernel` and returns its PTX; one that takes USE_PDL is built with programmatic dependent launch,
-    as on an H100."""
+    as on an H100.
+
+    Specialised as the JIT specialises a launch on real model shapes: pointers and the integers it specialises
+    (all but `do_not_specialize`) divisible by 16. Without that, loads stay scalar (no 16-byte vectors) and the
+    register counts are not those of the GPU (the one-token GEMV: 2-byte loads of the weight).
+    """
     signature = {param.name: argument_type(param, pointers, constexprs) for param in kernel.params}
     if "USE_PDL" in signature:
         constexprs = {**constexprs, "USE_PDL": True}
         options = {**options, "launch_pdl": True}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    unspecialised = {i if isinstance(i, str) else kernel.params[i].name for i in kernel.do_not_specialize}
+    divisible = [
+        (i,)
+        for i, (name, kind) in enumerate(signature.items())
+        if kind.startswith("*") or (kind == "i32" and name not in unspecialised)
+    ]
+    attrs = {index: [["tt.divisibility", 16]] for index in divisible}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=H100, options=options)
     assert "cubin" in compiled.asm
     ptx = compiled.asm["ptx"]
