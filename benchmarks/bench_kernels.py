@@ -203,11 +203,14 @@ def prefill_sweep(base: attention.AttentionConfig) -> list[attention.AttentionCo
 
 
 def decode_sweep(base: attention.AttentionConfig) -> list[attention.AttentionConfig]:
-    """The default first, then other decode tiles, programs a multiprocessor (splits) and warps."""
-    variants = [(32, 4, 4), (64, 4, 4), (128, 8, 4), (128, 2, 4), (128, 1, 4), (64, 2, 4), (32, 2, 4), (64, 4, 2)]
+    """The default first, then other decode tiles, programs a multiprocessor (splits; for any batch) and warps."""
+    variants = [(128, 4, 4), (128, 2, 4), (128, 1, 4), (64, 2, 4), (64, 1, 4), (32, 1, 4), (64, 1, 2)]
     variants.append((base.decode_block_n, base.decode_waves, 8))
     return [base] + [
-        replace(base, decode_block_n=n, decode_waves=waves, decode_warps=warps) for n, waves, warps in variants
+        replace(
+            base, decode_block_n=n, unsplit_block_n=n, decode_waves=waves, lone_decode_waves=waves, decode_warps=warps
+        )
+        for n, waves, warps in variants
     ]
 
 

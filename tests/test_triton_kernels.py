@@ -466,11 +466,22 @@ def test_paged_attention_decode_only_batch(q_heads, kv_heads, head_dim, block_si
 @pytest.mark.parametrize("padding", [0, 2])
 def test_paged_attention_decode_tiles(padding):
     """Decode splits of one key tile and of several, with a partial last tile (the other CPU tests' contexts fit
-    one 128-key tile): 16-key decode tiles and one program a multiprocessor (on CPU, 4: 1-2 splits a sequence)."""
-    config = dataclasses.replace(attention.default_config(16), decode_block_n=16, decode_waves=1)
+    one 128-key tile): 16-key decode tiles and one program a multiprocessor (on CPU, 4: 1-2 splits a sequence);
+    32-key tiles where the batch takes no split."""
+    config = dataclasses.replace(
+        attention.default_config(16), decode_block_n=16, unsplit_block_n=32, decode_waves=1, lone_decode_waves=1
+    )
     check_attention(4, 2, 16, 4, [(1, 37)], padding=padding, config=config)  # 2 splits of 2 tiles, the last partial
     check_attention(4, 2, 16, 4, [(1, 30)], padding=padding, config=config)  # 2 splits of one tile
     check_attention(4, 2, 16, 4, [(1, 30), (1, 16), (1, 1), (1, 33)], padding=padding, config=config)  # 1 split
+
+
+def test_paged_attention_merges_many_splits():
+    """32 splits to merge (the other tests' few), in 16-key tiles: of a 1000-key context (2 tiles each, the last
+    partial) and of a 530-key one (2 tiles each, so splits 17-31 find no keys)."""
+    config = dataclasses.replace(attention.default_config(16), decode_block_n=16, lone_decode_waves=16)
+    check_attention(4, 2, 16, 16, [(1, 1000)], padding=0, config=config)
+    check_attention(4, 2, 16, 16, [(1, 530)], padding=0, config=config)
 
 
 def test_paged_attention_fp8_cache():

@@ -22,11 +22,26 @@ def test_install_rewrites_group_paths(tmp_path, monkeypatch):
 
 
 def test_warm_steps_cover_decode_prefill_and_mixed():
-    steps = warm_steps(max_model_len=4096)
-    assert any(all(n == 1 for _, n in step) and len(step) > 1 for step in steps)  # decode batches
+    steps = warm_steps(max_model_len=4096, unsplit_batch=66)
+    decode_batches = {len(step) for step in steps if all(n == 1 for _, n in step)}
+    assert {1, 66} < decode_batches  # one sequence, several, and the unsplit attention launch's batch
     assert any(len(step) == 1 and step[0][1] > 64 for step in steps)  # a long prefill
     assert any({n == 1 for _, n in step} == {True, False} for step in steps)  # mixed
-    assert all(c + n <= 64 for step in warm_steps(max_model_len=64) for c, n in step)
+    assert all(c + n <= 64 for step in warm_steps(max_model_len=64, unsplit_batch=17) for c, n in step)
+
+
+def test_unsplit_decode_batch_is_the_first_without_splits():
+    """The warm-up's unsplit batch is where decode launches stop splitting contexts (4 multiprocessors on CPU)."""
+    import torch
+
+    from atom_models.ops.triton_kernels import attention
+
+    cpu = torch.device("cpu")
+    for kv_heads in (1, 2, 8):
+        batch = attention.unsplit_decode_batch(kv_heads, 128, cpu)
+        config = attention.default_config(128)
+        assert attention.decode_splits(batch, kv_heads, config, cpu) == 1
+        assert batch == 2 or attention.decode_splits(batch - 1, kv_heads, config, cpu) > 1
 
 
 def test_forget_compiled_kernels_reaches_every_kernel(monkeypatch):

@@ -61,9 +61,13 @@ def triton_cache_at(path: Path) -> Iterator[None]:
             del knobs.dir
 
 
-def warm_steps(max_model_len: int) -> list[list[tuple[int, int]]]:
-    """Steps as lists of (context already cached, new tokens) per sequence."""
-    decode = [[(40, 1)] * n for n in (1, 3, 16, 17)]
+WARM_CONTEXT = 40  # each decode sequence's cached tokens
+
+
+def warm_steps(max_model_len: int, unsplit_batch: int) -> list[list[tuple[int, int]]]:
+    """Steps as lists of (context already cached, new tokens) per sequence; `unsplit_batch`: the fewest decode
+    sequences whose attention launch splits no context (the kernel's other variant)."""
+    decode = [[(WARM_CONTEXT, 1)] * n for n in sorted({1, 3, 16, 17, unsplit_batch})]
     prefill = [[(0, n)] for n in (1, 7, 16, 33, 130)]  # past 64 tokens: the GEMMs' larger tile configs
     mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)], [(0, 100), (20, 1)]]
     return [[(c, n) for c, n in step if c + n <= max_model_len] for step in decode + prefill + mixed]
@@ -125,16 +129,20 @@ def forget_compiled_kernels() -> None:
 @torch.inference_mode()
 def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.Module, max_model_len: int) -> None:
     """Run `forward(*graph inputs)` (the artifact as served) over `warm_steps` into the Triton cache `cache`."""
+    from atom_models.ops.triton_kernels.attention import unsplit_decode_batch
+
     config = model.config
     device = next(model.parameters()).device
     max_blocks = -(-max_model_len // BLOCK_SIZE)
-    kv_shape = (2, 64, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
+    unsplit = unsplit_decode_batch(config.num_key_value_heads, head_dim_of(config), device)
+    blocks = max(64, unsplit * -(-(WARM_CONTEXT + 1) // BLOCK_SIZE))  # every step's tables fit
+    kv_shape = (2, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     weights = model_weights(model)
     forget_compiled_kernels()
     with triton_cache_at(cache):
         for kv_dtype in kv_cache_dtypes(model, device):  # serving picks one with --kv-cache-dtype
             kv_caches = [torch.zeros(kv_shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
-            for step in warm_steps(max_model_len):
+            for step in warm_steps(max_model_len, unsplit):
                 input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
                 forward(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
         torch.cuda.synchronize()

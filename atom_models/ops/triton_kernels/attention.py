@@ -60,8 +60,10 @@ class AttentionConfig:
     """Tile sizes and launch parameters.
 
     `block_m` rows (tokens x heads of a group) and `block_n` keys per prefill tile, `num_warps` for launches
-    with prefill tiles; `decode_block_n` keys per decode tile; the decode grid aims at `decode_waves` programs
-    per multiprocessor (at most MAX_SPLITS splits a sequence); `decode_warps` for decode-only launches.
+    with prefill tiles; `decode_block_n` keys per decode tile, `unsplit_block_n` where the batch fills the grid
+    without splitting a context (each program then walks a whole context, many tiles); the decode grid aims at
+    `decode_waves` programs per multiprocessor (at most MAX_SPLITS splits a sequence), `lone_decode_waves` for a
+    batch of one sequence; `decode_warps` for decode-only launches.
     """
 
     block_m: int
@@ -71,17 +73,23 @@ class AttentionConfig:
     decode_block_n: int
     decode_waves: int
     decode_warps: int
+    lone_decode_waves: int
+    unsplit_block_n: int
 
 
 def default_config(head_dim: int) -> AttentionConfig:
     # From `benchmarks/bench_kernels.py --sweep` on H100 (head_dim 128, GQA 32/8). Prefill (5055e01): 256x64
     # tiles with 8 warps led both cases (8x1024 causal 261 TFLOP/s against 255 for the 128x32 / 4 warps of
-    # before, 1x8192 426 against 351); 128x128 / 8 warps 238 / 388. Decode: 128-key tiles led at batch 64-256,
-    # best with 4 programs a multiprocessor (batch 128: 2.81 TB/s against 2.69 with 8) and 4 warps (8 warps:
-    # batch 1 at context 4096 0.81 TB/s against 1.00). Larger head dims halve the tiles (unmeasured).
+    # before, 1x8192 426 against 351); 128x128 / 8 warps 238 / 388. Decode (2026-11-26): 128-key tiles, 4 warps
+    # (8 lost everywhere), splits for one program a multiprocessor: fewer, longer splits than with 4 (batch 8 at
+    # context 4096 2.10 TB/s against 1.96, batch 32 at 2048 2.52 / 2.28), except for a lone sequence, where 4
+    # won in the model (Qwen3-0.6B at context 432, 0.879 against 0.898 ms a step). Where the batch alone fills
+    # the grid (no split), 64-key tiles: batch 64 at 2048 2.75 against 2.62, batch 128-256 even or better; in
+    # the model batch 64 2.781 -> 2.494 ms a step with the merge sized to the launch. Larger head dims halve
+    # the tiles (unmeasured).
     if head_dim > 128:
-        return AttentionConfig(64, 32, 4, 2, 64, 4, 4)
-    return AttentionConfig(256, 64, 8, 3, 128, 4, 4)
+        return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64)
+    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64)
 
 
 @triton.jit
@@ -220,7 +228,10 @@ def _merge_splits(
     """out[token] = the `active` split partials of one sequence's query heads, weighted by their sum-exp.
 
     Partials are laid out `num_splits` a head. All splits of a head are loaded at once (one round
-    trip a head), bypassing L1: other multiprocessors wrote them during this launch.
+    trip a head), bypassing L1: other multiprocessors wrote them during this launch. SPLITS sizes that load, and
+    with it the registers the merge holds, which are the whole kernel's: launches that split no context are
+    compiled with 1 (166 registers a thread on the H100 at 64, 128 at 1; ncu: 3 programs a multiprocessor
+    against 4). Merging 16 partials at a time instead, in a loop, cost batch-1 decode 9 us a step in the model.
     """
     splits = tl.arange(0, SPLITS)
     used = splits < active
@@ -622,6 +633,19 @@ def _multiprocessors(device: torch.device) -> int:
     return 4  # the interpreter: a few splits, so tests cover the merge
 
 
+def decode_splits(num_seqs: int, num_kv_heads: int, config: AttentionConfig, device: torch.device) -> int:
+    """Splits a sequence's decode programs: `decode_waves` programs a multiprocessor over the batch's heads."""
+    waves = config.lone_decode_waves if num_seqs == 1 else config.decode_waves
+    return min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
+
+
+def unsplit_decode_batch(num_kv_heads: int, head_dim: int, device: torch.device) -> int:
+    """The fewest sequences whose decode launch splits no context: the kernel's unsplit variant (its own tile
+    size, no merge), which the export's warm-up compiles too."""
+    config = default_config(head_dim)
+    return max(2, triton.cdiv(config.decode_waves * _multiprocessors(device), num_kv_heads))
+
+
 def run_paged_attention(
     q: Tensor,
     kv_cache: Tensor,
@@ -648,7 +672,7 @@ def run_paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     group_p = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p)
-    num_splits = min(MAX_SPLITS, triton.cdiv(config.decode_waves * _multiprocessors(q.device), num_seqs * num_kv_heads))
+    num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = ticket_counters(q.device, num_seqs * num_kv_heads)
@@ -689,9 +713,9 @@ def run_paged_attention(
         BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         DECODE_ROWS=max(16, group_p),
-        DECODE_BLOCK_N=config.decode_block_n,
+        DECODE_BLOCK_N=config.decode_block_n if num_splits > 1 else config.unsplit_block_n,
         BLOCK_SIZE=block_size,
-        SPLITS=MAX_SPLITS,
+        SPLITS=MAX_SPLITS if num_splits > 1 else 1,
         KV_SCALES=kv_scales,
         DECODE_ONLY=decode_only,
         num_warps=config.decode_warps if decode_only else config.num_warps,
