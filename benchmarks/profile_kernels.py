@@ -1,0 +1,69 @@
+"""One launch of a kernel case for Nsight Compute: where a decode kernel's time goes, from hardware counters.
+
+    python benchmarks/profile_kernels.py --list
+    ncu --clock-control none --set full -k regex:_attention_kernel --launch-skip 1 --launch-count 1 \
+        python benchmarks/profile_kernels.py decode-b1-ctx4096
+
+Each case launches its kernel twice (the first compiles it), so `--launch-skip 1 --launch-count 1` profiles a warm
+launch. `bench_kernels.py` and `bench_gemm.py` time the same shapes; this only runs them, once, for the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+from bench_kernels import paged_batch
+
+from atom_models.ops.triton_kernels import attention, gemm
+
+DTYPE = torch.bfloat16
+
+
+def decode_attention(batch: int, context: int, **config):
+    q, cache, tables, seq_lens, qsl = paged_batch([1] * batch, [context] * batch)
+    base = replace(attention.default_config(q.shape[-1]), **config)
+    return lambda: attention.run_paged_attention(q, cache, tables, seq_lens, qsl, q.shape[-1] ** -0.5, base)
+
+
+def gemv(n: int, k: int, prologue: str):
+    """One token through an [n, k] bf16 weight, with the prologue the decode graph fuses in front of it."""
+    w = torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5
+    if prologue == "silu_mul":
+        x = torch.randn(1, 2 * k, device="cuda", dtype=DTYPE)
+        return lambda: gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, k), prologue=gemm.SiluMulPrologue())
+    x, residual, summed = (torch.randn(1, k, device="cuda", dtype=DTYPE) for _ in range(3))
+    norm = gemm.RMSNormPrologue(torch.ones(k, device="cuda", dtype=DTYPE), 1e-6, residual, summed)
+    return lambda: gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, k), prologue=norm)
+
+
+CASES = {
+    "decode-b1-ctx4096": lambda: decode_attention(1, 4096),
+    "decode-b1-ctx4096-4waves": lambda: decode_attention(1, 4096, decode_waves=4, lone_decode_waves=4),
+    "decode-b1-ctx432": lambda: decode_attention(1, 432),
+    "decode-b64-ctx2048": lambda: decode_attention(64, 2048),
+    "decode-b64-ctx2048-128keys": lambda: decode_attention(64, 2048, unsplit_block_n=128),
+    # Qwen3-0.6B's MLP at batch 1: gate_up after the residual add and norm, down after SiLU·mul.
+    "gemv-qwen3-0.6b-gate_up": lambda: gemv(6144, 1024, "rms_norm"),
+    "gemv-qwen3-0.6b-down": lambda: gemv(1024, 3072, "silu_mul"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("case", nargs="?", choices=sorted(CASES))
+    parser.add_argument("--list", action="store_true", help="print the cases")
+    args = parser.parse_args()
+    if args.list or args.case is None:
+        print("\n".join(CASES))
+        return
+    torch.manual_seed(0)
+    launch = CASES[args.case]()
+    for _ in range(2):
+        launch()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
