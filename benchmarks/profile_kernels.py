@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 from bench_kernels import paged_batch
 
+from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels import attention, gemm
 
 DTYPE = torch.bfloat16
@@ -27,15 +28,23 @@ def decode_attention(batch: int, context: int, **config):
     return lambda: attention.run_paged_attention(q, cache, tables, seq_lens, qsl, q.shape[-1] ** -0.5, base)
 
 
-def gemv(n: int, k: int, prologue: str):
-    """One token through an [n, k] bf16 weight, with the prologue the decode graph fuses in front of it."""
+def gemv(n: int, k: int, prologue: str | None, fp8: bool = False):
+    """One token through an [n, k] weight (bf16, or fp8 with per-row scales: the weight-only path of an FP8
+    checkpoint), with the prologue the decode graph fuses in front of it."""
     w = torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5
+    w_scale = None
+    if fp8:
+        w_scale = w.abs().amax(dim=1, keepdim=True).float() / torch.finfo(FP8_DTYPE).max
+        w = (w / w_scale).to(FP8_DTYPE)
+    x = torch.randn(1, 2 * k if prologue == "silu_mul" else k, device="cuda", dtype=DTYPE)
     if prologue == "silu_mul":
-        x = torch.randn(1, 2 * k, device="cuda", dtype=DTYPE)
-        return lambda: gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, k), prologue=gemm.SiluMulPrologue())
-    x, residual, summed = (torch.randn(1, k, device="cuda", dtype=DTYPE) for _ in range(3))
-    norm = gemm.RMSNormPrologue(torch.ones(k, device="cuda", dtype=DTYPE), 1e-6, residual, summed)
-    return lambda: gemm.run_skinny_mm(x, None, w, None, None, DTYPE, (1, k), prologue=norm)
+        chosen = gemm.SiluMulPrologue()
+    elif prologue == "rms_norm":
+        residual, summed = torch.randn_like(x), torch.empty_like(x)
+        chosen = gemm.RMSNormPrologue(torch.ones(k, device="cuda", dtype=DTYPE), 1e-6, residual, summed)
+    else:
+        chosen = None
+    return lambda: gemm.run_skinny_mm(x, None, w, w_scale, None, DTYPE, (1, k), prologue=chosen)
 
 
 CASES = {
@@ -47,6 +56,11 @@ CASES = {
     # Qwen3-0.6B's MLP at batch 1: gate_up after the residual add and norm, down after SiLU·mul.
     "gemv-qwen3-0.6b-gate_up": lambda: gemv(6144, 1024, "rms_norm"),
     "gemv-qwen3-0.6b-down": lambda: gemv(1024, 3072, "silu_mul"),
+    # Llama-3-8B FP8 (per-channel) at batch 1, each projection after its prologue.
+    "gemv-fp8-llama-3-8b-qkv": lambda: gemv(6144, 4096, "rms_norm", fp8=True),
+    "gemv-fp8-llama-3-8b-o": lambda: gemv(4096, 4096, None, fp8=True),
+    "gemv-fp8-llama-3-8b-gate_up": lambda: gemv(28672, 4096, "rms_norm", fp8=True),
+    "gemv-fp8-llama-3-8b-down": lambda: gemv(4096, 14336, "silu_mul", fp8=True),
 }
 
 
