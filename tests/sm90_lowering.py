@@ -144,7 +144,8 @@ for fp8_cache in (False, True):
     for decode_only in (False, True):
         tiles = {"BLOCK_Q": config.block_m // 4, "BLOCK_N": config.block_n, "DECODE_ROWS": 16, "BLOCK_SIZE": 16}
         constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": attention.MAX_SPLITS}
-        constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "KV_SCALES": fp8_cache, "DECODE_ONLY": decode_only}
+        constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "DECODE_SPLIT_KEYS": config.split_keys}
+        constexprs |= {"KV_SCALES": fp8_cache, "DECODE_ONLY": decode_only}
         warps = config.decode_warps if decode_only else config.num_warps
         ptx = build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=config.num_stages)
         # decode-only: the first key/value tile is asked of L2 before the wait (a hint no test could see fail)

@@ -469,7 +469,12 @@ def test_paged_attention_decode_tiles(padding):
     one 128-key tile): 16-key decode tiles and one program a multiprocessor (on CPU, 4: 1-2 splits a sequence);
     32-key tiles where the batch takes no split."""
     config = dataclasses.replace(
-        attention.default_config(16), decode_block_n=16, unsplit_block_n=32, decode_waves=1, lone_decode_waves=1
+        attention.default_config(16),
+        decode_block_n=16,
+        unsplit_block_n=32,
+        decode_waves=1,
+        lone_decode_waves=1,
+        split_keys=16,
     )
     check_attention(4, 2, 16, 4, [(1, 37)], padding=padding, config=config)  # 2 splits of 2 tiles, the last partial
     check_attention(4, 2, 16, 4, [(1, 30)], padding=padding, config=config)  # 2 splits of one tile
@@ -482,6 +487,15 @@ def test_paged_attention_merges_many_splits():
     config = dataclasses.replace(attention.default_config(16), decode_block_n=16, lone_decode_waves=16)
     check_attention(4, 2, 16, 16, [(1, 1000)], padding=0, config=config)
     check_attention(4, 2, 16, 16, [(1, 530)], padding=0, config=config)
+
+
+def test_paged_attention_split_keys():
+    """In a batch, a split for every 48 keys: 3 tiles of 16 a split, the last split partial (100 keys: 3 splits;
+    30 keys: 1); a lone sequence still splits by the tile (100 keys: 7 splits)."""
+    config = dataclasses.replace(attention.default_config(16), decode_block_n=16, decode_waves=16, split_keys=48)
+    assert attention.decode_splits(2, 2, config, torch.device("cpu")) >= 3
+    check_attention(4, 2, 16, 16, [(1, 100), (1, 30)], padding=0, config=config)
+    check_attention(4, 2, 16, 16, [(1, 100)], padding=0, config=dataclasses.replace(config, lone_decode_waves=16))
 
 
 def test_paged_attention_fp8_cache():

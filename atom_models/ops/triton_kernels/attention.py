@@ -63,7 +63,8 @@ class AttentionConfig:
     with prefill tiles; `decode_block_n` keys per decode tile, `unsplit_block_n` where the batch fills the grid
     without splitting a context (each program then walks a whole context, many tiles); the decode grid aims at
     `decode_waves` programs per multiprocessor (at most MAX_SPLITS splits a sequence), `lone_decode_waves` for a
-    batch of one sequence; `decode_warps` for decode-only launches.
+    batch of one sequence; `decode_warps` for decode-only launches; in a batch of several sequences a context
+    takes a split for every `split_keys` keys (rounded to whole tiles), up to the launch's splits.
     """
 
     block_m: int
@@ -75,6 +76,7 @@ class AttentionConfig:
     decode_warps: int
     lone_decode_waves: int
     unsplit_block_n: int
+    split_keys: int
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -88,8 +90,8 @@ def default_config(head_dim: int) -> AttentionConfig:
     # the model batch 64 2.781 -> 2.494 ms a step with the merge sized to the launch. Larger head dims halve
     # the tiles (unmeasured).
     if head_dim > 128:
-        return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64)
-    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64)
+        return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64, 256)
+    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64, 512)
 
 
 @triton.jit
@@ -283,9 +285,10 @@ def _decode_program(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
     """One split of one decode token's attention (see `_split_range`); the last split to finish merges them all."""
-    active, lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N)
+    active, lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
     if split < active:
         full_end = tl.maximum(lo, lo + (hi - lo) // BLOCK_N * BLOCK_N)
         g = tl.arange(0, ROWS)
@@ -351,13 +354,13 @@ def _decode_program(
 
 
 @triton.jit
-def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     """(the splits a sequence uses, and `split`'s keys [lo, hi)): whole BLOCK_N tiles, spread as evenly as they go.
 
-    A sequence uses only as many of the launched splits as it has key tiles: a short context is not spread
-    over dozens of nearly empty programs and a merge of all of them.
+    A sequence uses only as many of the launched splits as it has SPLIT_KEYS keys (a multiple of BLOCK_N): a
+    short context is not spread over dozens of nearly empty programs and a merge of all of them.
     """
-    active = tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+    active = tl.minimum(num_splits, tl.cdiv(seq_len, SPLIT_KEYS))
     chunk = tl.cdiv(tl.cdiv(seq_len, tl.maximum(active, 1)), BLOCK_N) * BLOCK_N
     lo = split * chunk
     return active, lo, tl.minimum(lo + chunk, seq_len)
@@ -377,6 +380,7 @@ def _prefetch_decode_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
     """Ask L2 for the first key and value tile of a decode split, from lengths and pages read past L1.
 
@@ -384,7 +388,7 @@ def _prefetch_decode_tile(
     lines are only a hint, and the split's program reads everything again, in order, after the wait.
     """
     seq_len = tl.load(seq_len_ptr, cache_modifier=".cg")
-    active, lo, _ = _split_range(seq_len, split, num_splits, BLOCK_N)
+    active, lo, _ = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
     if split < active:
         n = tl.minimum(lo + tl.arange(0, BLOCK_N), seq_len - 1)  # past the end: the last key again, no stray lines
         page = tl.load(table_ptr + n // BLOCK_SIZE, cache_modifier=".cg")
@@ -522,6 +526,7 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     DECODE_ROWS: tl.constexpr,
     DECODE_BLOCK_N: tl.constexpr,
+    DECODE_SPLIT_KEYS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
     KV_SCALES: tl.constexpr,
@@ -545,6 +550,7 @@ def _attention_kernel(
             HEAD_DIM,
             DECODE_BLOCK_N,
             BLOCK_SIZE,
+            DECODE_SPLIT_KEYS,
         )
     wait_for_previous_kernel(USE_PDL)
     if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
@@ -593,6 +599,7 @@ def _attention_kernel(
                 DECODE_BLOCK_N,
                 BLOCK_SIZE,
                 SPLITS,
+                DECODE_SPLIT_KEYS,
             )
     elif not DECODE_ONLY:
         # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
@@ -639,6 +646,12 @@ def decode_splits(num_seqs: int, num_kv_heads: int, config: AttentionConfig, dev
     return min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
 
 
+def decode_split_keys(num_seqs: int, block_n: int, config: AttentionConfig) -> int:
+    """Keys a decode split takes at least, in whole tiles: a lone sequence splits by the tile (its only
+    parallelism), a batch by `split_keys` (its splits' merges cost more than their parallelism gains)."""
+    return block_n if num_seqs == 1 else max(block_n, config.split_keys // block_n * block_n)
+
+
 def unsplit_decode_batch(num_kv_heads: int, head_dim: int, device: torch.device) -> int:
     """The fewest sequences whose decode launch splits no context: the kernel's unsplit variant (its own tile
     size, no merge), which the export's warm-up compiles too."""
@@ -673,6 +686,7 @@ def run_paged_attention(
     group_p = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p)
     num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device)
+    decode_block_n = config.decode_block_n if num_splits > 1 else config.unsplit_block_n
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = ticket_counters(q.device, num_seqs * num_kv_heads)
@@ -713,7 +727,8 @@ def run_paged_attention(
         BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         DECODE_ROWS=max(16, group_p),
-        DECODE_BLOCK_N=config.decode_block_n if num_splits > 1 else config.unsplit_block_n,
+        DECODE_BLOCK_N=decode_block_n,
+        DECODE_SPLIT_KEYS=decode_split_keys(num_seqs, decode_block_n, config),
         BLOCK_SIZE=block_size,
         SPLITS=MAX_SPLITS if num_splits > 1 else 1,
         KV_SCALES=kv_scales,
