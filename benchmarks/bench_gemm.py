@@ -62,8 +62,8 @@ def skinny_sweep_configs(m: int, block: bool, n: int, k: int, weight_bytes: int 
         ]
     else:
         gemv = [
-            gemm.SkinnyConfig(block_n, block_bytes // weight_bytes, 1, warps, stages, False)
-            for block_n, block_bytes, warps, stages in product((8, 16), (512, 1024), (2, 4), (2, 4))
+            gemm.SkinnyConfig(block_n, block_bytes // weight_bytes, split_k, warps, stages, False)
+            for block_n, block_bytes, split_k, warps, stages in product((4, 8, 16), (512, 1024), (1, 2), (2, 4), (2, 4))
         ]
     mma = [
         gemm.SkinnyConfig(block_n, block_k, split_k, 4, stages, True)

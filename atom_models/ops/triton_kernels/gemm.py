@@ -262,8 +262,10 @@ def run_scaled_mm(
 SKINNY_MAX_M = 64
 # The largest weight the one-token GEMV launches with PDL. Its thousands of small programs gain from PDL where
 # launch latency is a large part of the kernel (Qwen3-0.6B, 2-12 MB: batch-1 step 1.153 -> 1.100 ms) and lose
-# where the weight stream is (Llama-3-8B, 32-235 MB: 5.867 -> 6.242 ms); H100, decode graphs, 235edc4.
-GEMV_PDL_MAX_BYTES = 16 << 20
+# where the weight stream is (Llama-3-8B, 32-235 MB: 5.867 -> 6.242 ms); H100, decode graphs, 235edc4. Between
+# the two, FP8 Llama-3-8B's o_proj (16.8 MB) took 13.8 us with PDL and its weight first (8 x 4096 tiles, 255
+# registers, 2 programs a multiprocessor), qkv's 25 MB in the loop 13.5 (ncu, H100).
+GEMV_PDL_MAX_BYTES = 12 << 20
 
 
 @dataclass(frozen=True)
