@@ -87,8 +87,9 @@ def default_config(head_dim: int) -> AttentionConfig:
     # context 4096 2.10 TB/s against 1.96, batch 32 at 2048 2.52 / 2.28), except for a lone sequence, where 4
     # won in the model (Qwen3-0.6B at context 432, 0.879 against 0.898 ms a step). Where the batch alone fills
     # the grid (no split), 64-key tiles: batch 64 at 2048 2.75 against 2.62, batch 128-256 even or better; in
-    # the model batch 64 2.781 -> 2.494 ms a step with the merge sized to the launch. Larger head dims halve
-    # the tiles (unmeasured).
+    # the model batch 64 2.781 -> 2.494 ms a step with the merge sized to the launch. In a batch, a split every
+    # 512 keys (batch 8 at context 432 takes one, no merge: 1.289 -> 1.246 ms a step); a lone sequence split by
+    # 256 or 512 lost (0.936 / 0.963 against 0.879). Larger head dims halve the tiles (unmeasured).
     if head_dim > 128:
         return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64, 256)
     return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64, 512)
@@ -232,8 +233,9 @@ def _merge_splits(
     Partials are laid out `num_splits` a head. All splits of a head are loaded at once (one round
     trip a head), bypassing L1: other multiprocessors wrote them during this launch. SPLITS sizes that load, and
     with it the registers the merge holds, which are the whole kernel's: launches that split no context are
-    compiled with 1 (166 registers a thread on the H100 at 64, 128 at 1; ncu: 3 programs a multiprocessor
-    against 4). Merging 16 partials at a time instead, in a loop, cost batch-1 decode 9 us a step in the model.
+    compiled with 1 (128-key tiles on sm_90, `tests/sm90_lowering.py`: 208 registers a thread at 64, 128 at 1;
+    ncu on the H100 found 166 at 64, 3 programs a multiprocessor). Merging 16 partials at a time in a loop
+    instead cost batch-1 decode 9 us a step in the model.
     """
     splits = tl.arange(0, SPLITS)
     used = splits < active
