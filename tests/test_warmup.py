@@ -26,7 +26,8 @@ def test_warm_steps_cover_decode_prefill_and_mixed():
     decode_batches = {len(step) for step in steps if all(n == 1 for _, n in step)}
     assert {1, 66} < decode_batches  # one sequence, several, and the unsplit attention launch's batch
     assert any(len(step) == 1 and step[0][1] > 64 for step in steps)  # a long prefill
-    assert any({n == 1 for _, n in step} == {True, False} for step in steps)  # mixed
+    mixed_batches = {len(step) for step in steps if {n == 1 for _, n in step} == {True, False}}
+    assert len(mixed_batches) > 1 and max(mixed_batches) >= 66  # mixed, split and unsplit
     assert all(c + n <= 64 for step in warm_steps(max_model_len=64, unsplit_batch=17) for c, n in step)
 
 

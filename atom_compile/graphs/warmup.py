@@ -65,11 +65,11 @@ WARM_CONTEXT = 40  # each decode sequence's cached tokens
 
 
 def warm_steps(max_model_len: int, unsplit_batch: int) -> list[list[tuple[int, int]]]:
-    """Steps as lists of (context already cached, new tokens) per sequence; `unsplit_batch`: the fewest decode
-    sequences whose attention launch splits no context (the kernel's other variant)."""
+    """Steps as lists of (context already cached, new tokens) per sequence; `unsplit_batch`: the fewest sequences
+    whose attention launch splits no context (the kernel's other variant, in decode-only and mixed launches)."""
     decode = [[(WARM_CONTEXT, 1)] * n for n in sorted({1, 3, 16, 17, unsplit_batch})]
     prefill = [[(0, n)] for n in (1, 7, 16, 33, 130)]  # past 64 tokens: the GEMMs' larger tile configs
-    mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)], [(0, 100), (20, 1)]]
+    mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)], [(0, 100), (20, 1)], [(0, 9)] + [(WARM_CONTEXT, 1)] * unsplit_batch]
     return [[(c, n) for c, n in step if c + n <= max_model_len] for step in decode + prefill + mixed]
 
 
@@ -135,7 +135,7 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
     device = next(model.parameters()).device
     max_blocks = -(-max_model_len // BLOCK_SIZE)
     unsplit = unsplit_decode_batch(config.num_key_value_heads, head_dim_of(config), device)
-    blocks = max(64, unsplit * -(-(WARM_CONTEXT + 1) // BLOCK_SIZE))  # every step's tables fit
+    blocks = max(64, (unsplit + 1) * -(-(WARM_CONTEXT + 1) // BLOCK_SIZE))  # every step's tables fit
     kv_shape = (2, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     weights = model_weights(model)
     forget_compiled_kernels()
