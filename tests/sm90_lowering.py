@@ -151,7 +151,9 @@ for fp8_cache in (False, True):
         # decode-only: the first key/value tile is asked of L2 before the wait (a hint no test could see fail)
         prefetched = ptx.find("prefetch.global.L2")
         assert (0 <= prefetched < ptx.find("griddepcontrol.wait")) == decode_only
-    # the decode-only launch that splits no context: its own tiles, a merge of one
-    unsplit = constexprs | {"DECODE_BLOCK_N": config.unsplit_block_n, "SPLITS": 1}
-    build(attention._attention_kernel, pointers, unsplit, num_warps=config.decode_warps, num_stages=config.num_stages)
+    # launches that split no context: their own decode tiles, a merge of one
+    for decode_only in (False, True):
+        unsplit = constexprs | {"DECODE_BLOCK_N": config.unsplit_block_n, "SPLITS": 1, "DECODE_ONLY": decode_only}
+        warps = config.decode_warps if decode_only else config.num_warps
+        build(attention._attention_kernel, pointers, unsplit, num_warps=warps, num_stages=config.num_stages)
 print("all kernels lowered for sm_90")
