@@ -49,7 +49,7 @@ def gemv(n: int, k: int, prologue: str | None, fp8: bool = False):
 
 CASES = {
     "decode-b1-ctx4096": lambda: decode_attention(1, 4096),
-    "decode-b1-ctx4096-4waves": lambda: decode_attention(1, 4096, decode_waves=4, lone_decode_waves=4),
+    "decode-b1-ctx4096-1wave": lambda: decode_attention(1, 4096, lone_decode_waves=1),
     "decode-b1-ctx432": lambda: decode_attention(1, 432),
     "decode-b64-ctx2048": lambda: decode_attention(64, 2048),
     "decode-b64-ctx2048-128keys": lambda: decode_attention(64, 2048, unsplit_block_n=128),

@@ -41,9 +41,10 @@ def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> str:
     """Compiles `kernel` and returns its PTX; one that takes USE_PDL is built with programmatic dependent launch,
     as on an H100.
 
-    Specialised as the JIT specialises a launch on real model shapes: pointers and the integers it specialises
-    (all but `do_not_specialize`) divisible by 16. Without that, loads stay scalar (no 16-byte vectors) and the
-    register counts are not those of the GPU (the one-token GEMV: 2-byte loads of the weight).
+    Specialised about as the JIT specialises launches on real model shapes: pointers and the integers it
+    specialises (all but `do_not_specialize`) divisible by 16, as most of their dims and strides are (a head count
+    of 8 is not). Without that, loads stay scalar (no 16-byte vectors) and the register counts are not those of the
+    GPU (the one-token GEMV: 2-byte loads of the weight).
     """
     signature = {param.name: argument_type(param, pointers, constexprs) for param in kernel.params}
     if "USE_PDL" in signature:

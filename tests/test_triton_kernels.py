@@ -449,18 +449,29 @@ def test_paged_attention_many_sequences():
     check_attention(2, 1, 16, 4, lens)
 
 
+def splitting_config(head_dim: int) -> attention.AttentionConfig:
+    """Decode splits of 16 keys, up to 16 programs a multiprocessor: the CPU tests' short contexts split and merge
+    (with the default's one program a multiprocessor and 128-key tiles, a batch on 4 "multiprocessors" never does)."""
+    return dataclasses.replace(
+        attention.default_config(head_dim), decode_block_n=16, decode_waves=16, lone_decode_waves=16, split_keys=16
+    )
+
+
 def test_paged_attention_split_tickets_reset():
     """The last decode split resets its arrival counter, so back-to-back calls merge correctly."""
     for lens in ([(1, 23), (1, 5), (3, 9)], [(1, 40), (2, 7), (1, 12), (1, 2)]):
-        check_attention(4, 2, 16, 4, lens)
+        check_attention(4, 2, 16, 4, lens, config=splitting_config(16))
     assert not common.ticket_counters(torch.empty(0, device=DEVICE).device, 1).any()
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (8, 1, 32, 16), (4, 4, 16, 8)])
 def test_paged_attention_decode_only_batch(q_heads, kv_heads, head_dim, block_size):
     """One query token a sequence and no padding: the decode-only kernel, with several splits to merge."""
-    check_attention(q_heads, kv_heads, head_dim, block_size, [(1, 23), (1, 5), (1, 40), (1, 1), (1, 16)], padding=0)
-    check_attention(q_heads, kv_heads, head_dim, block_size, [(1, 37)], padding=0)
+    config = splitting_config(head_dim)
+    lens = [(1, 23), (1, 5), (1, 40), (1, 1), (1, 16)]
+    check_attention(q_heads, kv_heads, head_dim, block_size, lens, padding=0, config=config)
+    check_attention(q_heads, kv_heads, head_dim, block_size, [(1, 37)], padding=0, config=config)
+    check_attention(q_heads, kv_heads, head_dim, block_size, lens, padding=0)  # the default: no split
 
 
 @pytest.mark.parametrize("padding", [0, 2])
@@ -490,11 +501,12 @@ def test_paged_attention_merges_many_splits():
 
 
 def test_paged_attention_split_keys():
-    """In a batch, a split for every 48 keys: 3 tiles of 16 a split, the last split partial (100 keys: 3 splits;
-    30 keys: 1); a lone sequence still splits by the tile (100 keys: 7 splits)."""
+    """In a batch, a split for every 48 keys of 16-key tiles (the case: 100 keys take 3 splits, the last partial; 30
+    take 1), in decode-only and mixed launches with padding; a lone sequence splits by the tile (100 keys: 7)."""
     config = dataclasses.replace(attention.default_config(16), decode_block_n=16, decode_waves=16, split_keys=48)
-    assert attention.decode_splits(2, 2, config, torch.device("cpu")) >= 3
+    assert attention.decode_splits(3, 2, config, torch.device("cpu")) >= 3
     check_attention(4, 2, 16, 16, [(1, 100), (1, 30)], padding=0, config=config)
+    check_attention(4, 2, 16, 16, [(1, 100), (5, 30), (1, 60)], padding=2, config=config)
     check_attention(4, 2, 16, 16, [(1, 100)], padding=0, config=dataclasses.replace(config, lone_decode_waves=16))
 
 
@@ -524,6 +536,10 @@ def test_paged_attention_gpu_shapes(q_heads, kv_heads, head_dim):
     lens = [(300, 300), (1, 1500), (77, 1100), (1, 33), (1, 4097), (129, 129), (2, 900)]
     check_attention(q_heads, kv_heads, head_dim, 16, lens, padding=5)
     check_attention(q_heads, kv_heads, head_dim, 16, [(1, 1500), (1, 33), (1, 4097), (1, 16)], padding=0)
+    # enough sequences that the launch splits no context: the unsplit variant (its tiles, a merge of one)
+    many = [(1, 37 + 61 * i) for i in range(40)]
+    check_attention(q_heads, kv_heads, head_dim, 16, many, padding=0)
+    check_attention(q_heads, kv_heads, head_dim, 16, [(50, 50)] + many, padding=3)
 
 
 @gpu_only

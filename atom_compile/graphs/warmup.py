@@ -67,7 +67,7 @@ WARM_CONTEXT = 40  # each decode sequence's cached tokens
 def warm_steps(max_model_len: int, unsplit_batch: int) -> list[list[tuple[int, int]]]:
     """Steps as lists of (context already cached, new tokens) per sequence; `unsplit_batch`: the fewest sequences
     whose attention launch splits no context (the kernel's other variant, in decode-only and mixed launches)."""
-    decode = [[(WARM_CONTEXT, 1)] * n for n in sorted({1, 3, 16, 17, unsplit_batch})]
+    decode = [[(WARM_CONTEXT, 1)] * n for n in sorted({1, 2, 3, 16, 17, unsplit_batch})]  # 2: splits if any does
     prefill = [[(0, n)] for n in (1, 7, 16, 33, 130)]  # past 64 tokens: the GEMMs' larger tile configs
     mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)], [(0, 100), (20, 1)], [(0, 9)] + [(WARM_CONTEXT, 1)] * unsplit_batch]
     return [[(c, n) for c, n in step if c + n <= max_model_len] for step in decode + prefill + mixed]

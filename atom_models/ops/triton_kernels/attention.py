@@ -33,6 +33,7 @@ rounded to the activation dtype for the second product, as flash attention does.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -233,9 +234,9 @@ def _merge_splits(
     Partials are laid out `num_splits` a head. All splits of a head are loaded at once (one round
     trip a head), bypassing L1: other multiprocessors wrote them during this launch. SPLITS sizes that load, and
     with it the registers the merge holds, which are the whole kernel's: launches that split no context are
-    compiled with 1 (128-key tiles on sm_90, `tests/sm90_lowering.py`: 208 registers a thread at 64, 128 at 1;
-    ncu on the H100 found 166 at 64, 3 programs a multiprocessor). Merging 16 partials at a time in a loop
-    instead cost batch-1 decode 9 us a step in the model.
+    compiled with 1, and never reach the merge (decode-only, 128-key tiles, sm_90 compile here: 208 registers a
+    thread at 64, 128 at 1; ncu on the H100 found 166 at 64, 3 programs a multiprocessor). Merging 16 partials
+    at a time in a loop instead cost batch-1 decode 9 us a step in the model.
     """
     splits = tl.arange(0, SPLITS)
     used = splits < active
@@ -322,7 +323,7 @@ def _decode_program(
         )
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale
-        if active == 1:
+        if SPLITS == 1 or active == 1:  # (a launch compiled with SPLITS 1 never splits: no merge code in it)
             ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
         else:
@@ -648,17 +649,20 @@ def decode_splits(num_seqs: int, num_kv_heads: int, config: AttentionConfig, dev
     return min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
 
 
-def decode_split_keys(num_seqs: int, block_n: int, config: AttentionConfig) -> int:
-    """Keys a decode split takes at least, in whole tiles: a lone sequence splits by the tile (its only
-    parallelism), a batch by `split_keys` (its splits' merges cost more than their parallelism gains)."""
-    return block_n if num_seqs == 1 else max(block_n, config.split_keys // block_n * block_n)
+def decode_split_keys(num_seqs: int, num_splits: int, block_n: int, config: AttentionConfig) -> int:
+    """A context takes a split for every this many keys (whole tiles), up to the launch's splits: a lone sequence
+    one a tile (its splits are its only parallelism), a batch one every `split_keys` (their merges cost more than
+    the parallelism gains). Launches without splits take the tile, which changes nothing in them."""
+    if num_seqs == 1 or num_splits == 1:
+        return block_n
+    return max(block_n, config.split_keys // block_n * block_n)
 
 
 def unsplit_decode_batch(num_kv_heads: int, head_dim: int, device: torch.device) -> int:
-    """The fewest sequences whose decode launch splits no context: the kernel's unsplit variant (its own tile
-    size, no merge), which the export's warm-up compiles too."""
+    """The fewest sequences (at least 2) whose decode launch splits no context: the kernel's unsplit variant (its
+    own tile size, no merge), which the export's warm-up compiles too."""
     config = default_config(head_dim)
-    return max(2, triton.cdiv(config.decode_waves * _multiprocessors(device), num_kv_heads))
+    return next(n for n in itertools.count(2) if decode_splits(n, num_kv_heads, config, device) == 1)
 
 
 def run_paged_attention(
@@ -730,7 +734,7 @@ def run_paged_attention(
         BLOCK_N=config.block_n,
         DECODE_ROWS=max(16, group_p),
         DECODE_BLOCK_N=decode_block_n,
-        DECODE_SPLIT_KEYS=decode_split_keys(num_seqs, decode_block_n, config),
+        DECODE_SPLIT_KEYS=decode_split_keys(num_seqs, num_splits, decode_block_n, config),
         BLOCK_SIZE=block_size,
         SPLITS=MAX_SPLITS if num_splits > 1 else 1,
         KV_SCALES=kv_scales,
