@@ -83,6 +83,7 @@ class StepInputs:
         else:
             self.gpu = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.table_gap_rows = TABLE_GAP_BYTES // self.hosts[0]["block_tables"][0].nbytes
         self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
         # What the device buffers hold: each repeating field's rows as last copied (None: unknown), and each
         # block-table row's table.
@@ -269,11 +270,10 @@ class StepInputs:
         # own overhead (TABLE_GAP_BYTES).
         device = self.device_tables
         stale = [i for i in range(seqs) if device[i][0] is not held[i][0] or device[i][1] != held[i][1]]
-        gap = TABLE_GAP_BYTES // self.hosts[0]["block_tables"][0].nbytes  # rows
         start = 0
         while start < len(stale):
             end = start + 1
-            while end < len(stale) and stale[end] - stale[end - 1] - 1 <= gap:  # rows between the two
+            while end < len(stale) and stale[end] - stale[end - 1] - 1 <= self.table_gap_rows:  # rows between
                 end += 1
             lo, hi = stale[start], stale[end - 1] + 1
             self._copy(host, "block_tables", lo, hi)

@@ -649,13 +649,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, config: AttentionConfig, dev
     return min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
 
 
-def decode_split_keys(num_seqs: int, num_splits: int, block_n: int, config: AttentionConfig) -> int:
-    """A context takes a split for every this many keys (whole tiles), up to the launch's splits: a lone sequence
-    one a tile (its splits are its only parallelism), a batch one every `split_keys` (their merges cost more than
-    the parallelism gains). Launches without splits take the tile, which changes nothing in them."""
-    if num_seqs == 1 or num_splits == 1:
-        return block_n
-    return max(block_n, config.split_keys // block_n * block_n)
+def _decode_variant(num_seqs: int, num_splits: int, config: AttentionConfig) -> tuple[int, int, int]:
+    """(keys a decode tile, keys a context takes a split for, partials the merge loads) of a launch. One that splits
+    no context is the unsplit variant: its own tiles, a merge of one. Otherwise a lone sequence splits by the tile
+    (its splits are its only parallelism), a batch every `split_keys` keys in whole tiles (their merges cost more
+    than the parallelism gains)."""
+    if num_splits == 1:
+        return config.unsplit_block_n, config.unsplit_block_n, 1
+    block_n = config.decode_block_n
+    split_keys = block_n if num_seqs == 1 else max(block_n, config.split_keys // block_n * block_n)
+    return block_n, split_keys, MAX_SPLITS
 
 
 def unsplit_decode_batch(num_kv_heads: int, head_dim: int, device: torch.device) -> int:
@@ -692,7 +695,7 @@ def run_paged_attention(
     group_p = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p)
     num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device)
-    decode_block_n = config.decode_block_n if num_splits > 1 else config.unsplit_block_n
+    decode_block_n, split_keys, merge_splits = _decode_variant(num_seqs, num_splits, config)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = ticket_counters(q.device, num_seqs * num_kv_heads)
@@ -734,9 +737,9 @@ def run_paged_attention(
         BLOCK_N=config.block_n,
         DECODE_ROWS=max(16, group_p),
         DECODE_BLOCK_N=decode_block_n,
-        DECODE_SPLIT_KEYS=decode_split_keys(num_seqs, num_splits, decode_block_n, config),
+        DECODE_SPLIT_KEYS=split_keys,
         BLOCK_SIZE=block_size,
-        SPLITS=MAX_SPLITS if num_splits > 1 else 1,
+        SPLITS=merge_splits,
         KV_SCALES=kv_scales,
         DECODE_ONLY=decode_only,
         num_warps=config.decode_warps if decode_only else config.num_warps,
