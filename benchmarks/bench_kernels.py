@@ -6,7 +6,8 @@ Shapes follow Llama-3-8B attention (GQA 32/8, head_dim 128, bf16). Ours reads K/
 paged cache (block_size 16, blocks scattered); SDPA gets contiguous unpaged K/V.
 (1) causal prefill TFLOP/s (causal FLOPs: 2 * 2 * b * h * s^2 * d / 2);
 (2) decode KV-read TB/s (bytes of K and V of every context token), timed as CUDA-graph replays
-    over enough independent caches that no replay is served from L2;
+    over enough independent caches that no replay is served from L2; with --fp8-kv also from an FP8 cache
+    (per-tensor scales, as `--kv-cache-dtype fp8` serves), whose TB/s count its one-byte entries;
 (3) device-to-device copy bandwidth (bytes read + written), the ceiling for (2) and for the row kernels.
 Times are medians of triton.testing.do_bench on random data. --sweep also times other tile configs.
 """
@@ -32,6 +33,7 @@ from atom_models.ops import attention as attention_ops
 from atom_models.ops import norm as norm_ops
 from atom_models.ops import quant as quant_ops
 from atom_models.ops.activation import silu_and_mul_reference
+from atom_models.ops.quant import FP8_DTYPE, FP8_MAX
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq
 from atom_models.ops.triton_kernels import activation, attention, norm, rotary_cache
 
@@ -117,18 +119,40 @@ def bench_prefill(batch: int, seq: int, configs: list[attention.AttentionConfig]
     return rows
 
 
-def bench_decode(seq_lens: list[int], label: str, configs: list[attention.AttentionConfig], sdpa: bool) -> list[dict]:
+def to_fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cache in e4m3 with a per-tensor scale for K and one for V, and the scales."""
+    k_scale, v_scale = (c.abs().amax().float().reshape(1) / FP8_MAX for c in cache)
+    return torch.stack([cache[0] / k_scale, cache[1] / v_scale]).to(FP8_DTYPE), k_scale, v_scale
+
+
+def bench_decode(
+    seq_lens: list[int], label: str, configs: list[attention.AttentionConfig], sdpa: bool, fp8_kv: bool = False
+) -> list[dict]:
     """One query token per sequence; each of our outputs is checked against the reference first."""
     kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
     sets = max(1, math.ceil(MIN_DECODE_BYTES / kv_bytes))
     batches = [paged_batch([1] * len(seq_lens), seq_lens) for _ in range(sets)]
     scale = HEAD_DIM**-0.5
     ref = attention_ops.paged_attention_reference(*batches[0], scale)
+    caches = {"ours (paged)": (batches, (), kv_bytes)}
+    if fp8_kv:
+        fp8_batches, fp8_scales = [], []
+        for q, cache, *meta in batches:
+            cache8, k_scale, v_scale = to_fp8_cache(cache)
+            fp8_batches.append((q, cache8, *meta))
+            fp8_scales.append((k_scale, v_scale))
+        caches["ours (paged, fp8 KV)"] = (fp8_batches, fp8_scales, kv_bytes // 2)
     rows = []
-    for config in configs:
-        err = rel_err(attention.run_paged_attention(*batches[0], scale, config), ref)
-        ms = graph_ms([partial(attention.run_paged_attention, *b, scale, config) for b in batches])
-        rows.append(dict(kernel="ours (paged)", config=asdict(config), rel_err=err, ms=ms, tbps=kv_bytes / ms / 1e9))
+    for kernel, (cached, scales, read) in caches.items():
+        fp8_ref = attention_ops.paged_attention_reference(*cached[0], scale, *scales[0]) if scales else ref
+        for config in configs:
+            calls = [
+                partial(attention.run_paged_attention, *b, scale, config, *(scales[i] if scales else ()))
+                for i, b in enumerate(cached)
+            ]
+            err = rel_err(calls[0](), fp8_ref)
+            ms = graph_ms(calls)
+            rows.append(dict(kernel=kernel, config=asdict(config), rel_err=err, ms=ms, tbps=read / ms / 1e9))
     if sdpa and len(set(seq_lens)) == 1:
         for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
@@ -234,6 +258,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
     parser.add_argument("--only", choices=["prefill", "decode", "rows"], help="one group of cases")
+    parser.add_argument("--fp8-kv", action="store_true", help="decode also from an FP8 cache")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
@@ -253,16 +278,17 @@ def main() -> None:
         "decode": [],
         "rows": [partial(bench_row_kernels, copy_tbps)],
     }
+    bench_decode_kv = partial(bench_decode, fp8_kv=args.fp8_kv)
     gen = torch.Generator().manual_seed(1)
     for batch, ctx in ((64, 2048), (128, 1536), (256, 1024)):
         mixed = torch.randint(1024, 2049, (batch,), generator=gen).tolist()
-        steps["decode"].append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
-        steps["decode"].append(partial(bench_decode, mixed, f"b{batch} ctx1024-2048", [base], sdpa=False))
+        steps["decode"].append(partial(bench_decode_kv, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
+        steps["decode"].append(partial(bench_decode_kv, mixed, f"b{batch} ctx1024-2048", [base], sdpa=False))
     for batch, ctx in ((8, 4096), (32, 2048)):  # between batch 1 and the batch >= 64 target
-        steps["decode"].append(partial(bench_decode, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
-    steps["decode"].append(partial(bench_decode, [4096], "b1 ctx4096", decode_configs, sdpa=True))
+        steps["decode"].append(partial(bench_decode_kv, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
+    steps["decode"].append(partial(bench_decode_kv, [4096], "b1 ctx4096", decode_configs, sdpa=True))
     # bench_decode.py's batch 1
-    steps["decode"].append(partial(bench_decode, [432], "b1 ctx432", decode_configs, sdpa=True))
+    steps["decode"].append(partial(bench_decode_kv, [432], "b1 ctx432", decode_configs, sdpa=True))
     for step in steps[args.only] if args.only else [s for group in steps.values() for s in group]:
         new_rows = step()
         print_rows(new_rows)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
-# Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL; at 5055e01 serving compiled two of them, so not adopted), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark; KERNELS_ONLY=decode, KERNELS_SWEEP=1), ncu (Nsight Compute on profile_kernels.py's cases), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
+# Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL; at 5055e01 serving compiled two of them, so not adopted), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark; KERNELS_ONLY=decode, KERNELS_SWEEP=1, KERNELS_FP8_KV=1), ncu (Nsight Compute on profile_kernels.py's cases), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
 #         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
 #         train-demo (the demo model, to $OUT/demo.tar.part-*; needs carry demo_corpus/{train,valid,chat}.txt,
 #         corpus.json, LICENSE-PSF.txt).
@@ -24,7 +24,7 @@ for stage in "$@"; do
       python3 benchmarks/bench_gemm.py --presets ${GEMM_PRESETS:-llama-3-8b qwen3-0.6b} --ms ${GEMM_MS:-1 8 16} \
         --sweep --sweep-ms ${SWEEP_MS:-1 8} --out "$OUT/gemm.json" 2>&1 \
         | grep -v -e Warning -e "M=" | tee "$OUT/gemm.log" | tail -80 ;;
-    kernels) python3 benchmarks/bench_kernels.py ${KERNELS_SWEEP:+--sweep} ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    kernels) python3 benchmarks/bench_kernels.py ${KERNELS_SWEEP:+--sweep} ${KERNELS_FP8_KV:+--fp8-kv} ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     ncu)  # Nsight Compute on one warm launch of each case of profile_kernels.py (NCU_CASES: some of them)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
       for case in ${NCU_CASES:-$(python3 benchmarks/profile_kernels.py --list)}; do
