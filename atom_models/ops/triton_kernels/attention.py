@@ -54,6 +54,8 @@ LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
 EMPTY_LSE = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
+# Inline PTX where the kernels are compiled; the interpreter (CPU tests) runs the same arithmetic in numpy.
+FP8_ASM = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,20 @@ def default_config(head_dim: int) -> AttentionConfig:
     if head_dim > 128:
         return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64, 256)
     return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64, 512)
+
+
+@triton.jit
+def _fp8_to_f16(x):
+    """e4m3 to fp16 (exact) where Triton cannot see it: its own conversion lets the MMA's operand layout reach
+    back to the fp8 bytes, and a value tile's keys-major operand then leaves shared memory a byte a load."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -140,8 +156,12 @@ def _attend(
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        v = tl.load(v_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
+        v = tl.load(v_cache_ptr + offs + offs_d[None, :])
+        if v.dtype == tl.float8e4nv and q.dtype != tl.float32:  # fp16 products: e4m3 fits, p in [0, 1] gains bits
+            v = _fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)
+        else:
+            v = v.to(q.dtype)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     return acc, l_i, m_i
