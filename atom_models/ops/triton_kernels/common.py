@@ -58,13 +58,23 @@ def pdl_launch(device: torch.device, wanted: bool = True) -> dict:
 
 
 @triton.jit
-def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+def wait_for_previous_kernel(USE_PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     """A PDL kernel waits here until the previous kernel has finished and its writes are visible (before it reads
-    anything a kernel of the step writes, or writes anything), then lets the next kernel's programs launch and wait.
-    Before it, a kernel may read only what no kernel of the step writes: the step's inputs (copied before its first
-    kernel starts), weights and tables."""
+    anything a kernel of the step writes, or writes anything), then lets the next kernel's programs launch and wait
+    (unless LAUNCH_NEXT is False: the kernel calls `launch_next_kernel` later itself). Before it, a kernel may read
+    only what no kernel of the step writes: the step's inputs (copied before its first kernel starts), weights and
+    tables."""
     if USE_PDL:
         gdc_wait()
+        if LAUNCH_NEXT:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next_kernel(USE_PDL: tl.constexpr):
+    """Lets the next kernel launch once every program has passed here: late in a kernel of several waves of
+    programs, so the next one's programs, waiting, do not take the multiprocessors its later waves need."""
+    if USE_PDL:
         gdc_launch_dependents()
 
 

@@ -39,6 +39,7 @@ from atom_models.ops.quant import one_token
 from atom_models.ops.triton_kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
 from atom_models.ops.triton_kernels.common import (
     as_rows,
+    launch_next_kernel,
     pdl_launch,
     ticket_counters,
     wait_for_previous_kernel,
@@ -463,7 +464,7 @@ def _skinny_mm_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     if WEIGHT_FIRST:  # nothing writes the weight: load it while the kernel that writes x may still run
         w_first = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < k_end - k_start)[None, :], other=0.0)
-    wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL, LAUNCH_NEXT=WEIGHT_FIRST or USE_DOT)
     ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_wsn
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -489,6 +490,8 @@ def _skinny_mm_kernel(
                 squares += tile_squares
         acc += part
         w_ptrs += BLOCK_K
+    if not (WEIGHT_FIRST or USE_DOT):  # a large weight's waves: the next kernel launches as the last ones finish
+        launch_next_kernel(USE_PDL)
 
     last = True  # without a split, every program stores its own tile
     if SPLIT:
@@ -609,7 +612,7 @@ def run_skinny_mm(
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             WEIGHT_FIRST=k_per_split == config.block_k,
             **constants,
-            **pdl_launch(x.device, wanted=config.dot or w_q.nbytes <= GEMV_PDL_MAX_BYTES),
+            **pdl_launch(x.device),
         )
     return out.reshape(*x_q.shape[:-1], n)
 
