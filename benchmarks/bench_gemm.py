@@ -51,9 +51,9 @@ def skinny_sweep_configs(m: int, block: bool, n: int, k: int, weight_bytes: int 
     """The one-token GEMV's tiles (M = 1, per-row or no scales), and the MMA's tile widths, K tiles, splits, depths.
 
     K tiles are in weight bytes (512 bytes: 512 fp8 or 256 bf16 columns); block scales cap them at 128 columns.
-    A small weight's GEMV (launched with PDL) takes K slices of one tile (weight first) of 1 to 8 rows instead.
+    A small weight's GEMV (loaded before its PDL wait) takes K slices of one tile (weight first) of 1 to 8 rows instead.
     """
-    if n * k * weight_bytes <= gemm.GEMV_PDL_MAX_BYTES:
+    if n * k * weight_bytes <= gemm.GEMV_WEIGHT_FIRST_MAX_BYTES:
         widths = [1 << e for e in range(10, triton.next_power_of_2(k).bit_length())] or [triton.next_power_of_2(k)]
         gemv = [
             gemm.SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), warps, 1, False)

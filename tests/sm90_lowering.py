@@ -128,7 +128,9 @@ weight_only = {**unscaled, "SCALED": True, "SCALE_K": 512, "HAS_BIAS": True, "BL
 weight_only |= {"BLOCK_K": 512, "USE_DOT": False, "NUM_STAGES": 4, "SPLIT": False, "WEIGHT_FIRST": False}
 fp8_weight = {**bf16_gemm, "w_ptr": FP8, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}
 for prologue in (gemm.NO_PROLOGUE, gemm.RMS_NORM, gemm.SILU_MUL):
-    build(gemm._skinny_mm_kernel, fp8_weight, {**weight_only, "PROLOGUE": prologue}, num_warps=2)
+    ptx = build(gemm._skinny_mm_kernel, fp8_weight, {**weight_only, "PROLOGUE": prologue}, num_warps=2)
+    # the loop lets the next kernel launch only once it has asked for its last weight tile
+    assert ptx.rfind("cp.async.commit_group") < ptx.find("griddepcontrol.launch_dependents")
 for fp8_cache in (False, True):
     cache = FP8 if fp8_cache else BF16
     pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}

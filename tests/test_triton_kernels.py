@@ -222,13 +222,14 @@ GEMV_CONFIGS = [  # weight-first (one tile a program; and split in K slices of o
 
 @pytest.mark.parametrize("n,k,weight_bytes", [(1024, 3072, 2), (4096, 1024, 2), (1024, 2048, 1), (4096, 4096, 2)])
 def test_gemv_config(n, k, weight_bytes):
-    """One token: weights up to GEMV_PDL_MAX_BYTES take K slices of one tile (weight first), larger ones the loop."""
+    """One token: weights up to GEMV_WEIGHT_FIRST_MAX_BYTES take K slices of one tile (weight first), larger ones
+    the loop."""
     config = gemm.skinny_config(1, n, k, k, torch.device("cpu"), weight_bytes)
     assert not config.dot
     slice_cols = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     tile_bytes = config.block_n * config.block_k * weight_bytes
     weight_first = slice_cols == config.block_k and tile_bytes <= gemm.GEMV_TILE_BYTES
-    assert weight_first == (n * k * weight_bytes <= gemm.GEMV_PDL_MAX_BYTES)
+    assert weight_first == (n * k * weight_bytes <= gemm.GEMV_WEIGHT_FIRST_MAX_BYTES)
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS)

@@ -261,13 +261,15 @@ def run_scaled_mm(
 # per-row scales, the tile kernel for block scales) on every Llama-3-8B projection (H100 and H200, graph
 # replays); at 64 the tile kernel is even with it on gate_up, and beyond that tiles reuse x enough to win.
 SKINNY_MAX_M = 64
-# The largest weight the one-token GEMV launches with PDL. Its thousands of small programs gain from PDL where
-# launch latency is a large part of the kernel (Qwen3-0.6B, 2-12 MB: batch-1 step 1.153 -> 1.100 ms) and lose
-# where the weight stream is (Llama-3-8B, 32-235 MB: 5.867 -> 6.242 ms); H100, decode graphs, 235edc4. Between
-# the two, FP8 Llama-3-8B's o_proj (16.8 MB) took 13.8 us with PDL and its weight first (8 x 4096 tiles, 255
-# registers, 2 programs a multiprocessor; ncu, H100) where qkv's 25 MB took 13.5 in the loop; through the loop
-# without PDL, batch 1 3.830 -> 3.650 ms (H100). The limit also picks the weight-first tiles (skinny_config).
-GEMV_PDL_MAX_BYTES = 12 << 20
+# The largest weight the one-token GEMV loads before its PDL wait (`_weight_first_gemv_config`). Small weights
+# gain from it where launch latency is a large part of the kernel (Qwen3-0.6B, 2-12 MB: batch-1 step 1.153 ->
+# 1.100 ms, H100, 235edc4). Above it the pipelined loop: FP8 Llama-3-8B's o_proj (16.8 MB) took 13.8 us with its
+# weight first (8 x 4096 tiles, 255 registers, 2 programs a multiprocessor; ncu, H100) where qkv's 25 MB took
+# 13.5 in the loop; with the limit here, batch 1 3.830 -> 3.650 ms (H100). The loop's launches use PDL too, but
+# let the next kernel launch only after their loop (`launch_next_kernel`): letting it launch at the start cost
+# Llama-3-8B batch 1 5.867 -> 6.242 ms (its waiting programs take the multiprocessors of later waves); after
+# the loop, 5.787 -> 5.736, and FP8 3.659 -> 3.602 (H100, 2026-11-26).
+GEMV_WEIGHT_FIRST_MAX_BYTES = 12 << 20
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,7 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     """
     sms = _multiprocessors(device)
     long_n = triton.cdiv(n, 64) >= 2 * sms
-    if m == 1 and scale_k >= k and n * k * weight_bytes <= GEMV_PDL_MAX_BYTES:
+    if m == 1 and scale_k >= k and n * k * weight_bytes <= GEMV_WEIGHT_FIRST_MAX_BYTES:
         return _weight_first_gemv_config(n, k, weight_bytes, sms)
     if m == 1 and scale_k >= k:
         block_n, block_k, num_warps, num_stages, dot = 8, 512 // weight_bytes, 2, 4, False
@@ -322,7 +324,7 @@ GEMV_TILE_BYTES = 32 << 10
 
 
 def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> SkinnyConfig:
-    """The one-token GEMV of a small weight (launched with PDL): each program's K slice is one tile, loaded
+    """The one-token GEMV of a small weight: each program's K slice is one tile, loaded
     before it waits for the kernel that writes x, so the weight streams in while that kernel finishes.
 
     Slices of up to 4096 columns; tiles of at most 8 rows and GEMV_TILE_BYTES, narrowed to 2 programs a
@@ -447,6 +449,7 @@ def _skinny_mm_kernel(
 
     WEIGHT_FIRST: each K slice is one tile, loaded before the PDL wait (the weight does not depend on the
     kernel before; on a small weight its stream then overlaps that kernel's tail instead of following it).
+    Otherwise the one-token GEMV lets the next kernel launch only after its loop (a large weight's many waves).
 
     Split K: program (n tile, slice) stores its fp32 partial to `part_ptr` [num_splits, M, N] and takes
     a ticket; the slice that arrives last sums the partials in slice order (deterministic) and
