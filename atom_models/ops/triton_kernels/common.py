@@ -49,10 +49,10 @@ def _supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_launch(device: torch.device, wanted: bool = True) -> dict:
-    """Launch arguments of a kernel that starts with `wait_for_previous_kernel(USE_PDL)` (`wanted`: this launch
-    would use PDL where it is on and supported)."""
-    if wanted and PDL_ENABLED and device.type == "cuda" and _supports_pdl(device.index or 0):
+def pdl_launch(device: torch.device) -> dict:
+    """Launch arguments of a kernel that starts with `wait_for_previous_kernel(USE_PDL)`: PDL where it is on and
+    supported."""
+    if PDL_ENABLED and device.type == "cuda" and _supports_pdl(device.index or 0):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 
