@@ -14,7 +14,7 @@ import argparse
 from dataclasses import replace
 
 import torch
-from bench_kernels import paged_batch
+from bench_kernels import paged_batch, to_fp8_cache
 
 from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels import attention, gemm
@@ -22,10 +22,14 @@ from atom_models.ops.triton_kernels import attention, gemm
 DTYPE = torch.bfloat16
 
 
-def decode_attention(batch: int, context: int, **config):
+def decode_attention(batch: int, context: int, fp8_kv: bool = False, **config):
+    """Decode over a paged cache: bf16, or FP8 with per-tensor scales (`--kv-cache-dtype fp8`)."""
     q, cache, tables, seq_lens, qsl = paged_batch([1] * batch, [context] * batch)
+    scales = ()
+    if fp8_kv:
+        cache, *scales = to_fp8_cache(cache)
     base = replace(attention.default_config(q.shape[-1]), **config)
-    return lambda: attention.run_paged_attention(q, cache, tables, seq_lens, qsl, q.shape[-1] ** -0.5, base)
+    return lambda: attention.run_paged_attention(q, cache, tables, seq_lens, qsl, q.shape[-1] ** -0.5, base, *scales)
 
 
 def gemv(n: int, k: int, prologue: str | None, fp8: bool = False):
@@ -53,6 +57,7 @@ CASES = {
     "decode-b1-ctx432": lambda: decode_attention(1, 432),
     "decode-b64-ctx2048": lambda: decode_attention(64, 2048),
     "decode-b64-ctx2048-128keys": lambda: decode_attention(64, 2048, unsplit_block_n=128),
+    "decode-b64-ctx2048-fp8kv": lambda: decode_attention(64, 2048, fp8_kv=True),
     # Qwen3-0.6B's MLP at batch 1: gate_up after the residual add and norm, down after SiLU·mul.
     "gemv-qwen3-0.6b-gate_up": lambda: gemv(6144, 1024, "rms_norm"),
     "gemv-qwen3-0.6b-down": lambda: gemv(1024, 3072, "silu_mul"),
