@@ -56,8 +56,9 @@ LOG2E = 1.4426950408889634
 # An empty split's log-sum-exp: finite, so merging never computes inf - inf, and far below any real one.
 EMPTY_LSE = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
-# Inline PTX where the kernels are compiled; the interpreter (CPU tests) runs the same arithmetic in numpy.
-FP8_ASM = tl.constexpr(not triton.knobs.runtime.interpret)
+# Inline PTX where the kernels are compiled for NVIDIA GPUs; the interpreter (CPU tests) and ROCm run the same
+# arithmetic through Triton's own conversion.
+FP8_ASM = tl.constexpr(not triton.knobs.runtime.interpret and torch.version.hip is None)
 
 
 @dataclass(frozen=True)
