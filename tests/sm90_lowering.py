@@ -127,10 +127,16 @@ build(gemm._skinny_mm_kernel, {**bf16_gemm, "res_ptr": BF16, "g_ptr": BF16, "sum
 weight_only = {**unscaled, "SCALED": True, "SCALE_K": 512, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 8}
 weight_only |= {"BLOCK_K": 512, "USE_DOT": False, "NUM_STAGES": 4, "SPLIT": False, "WEIGHT_FIRST": False}
 fp8_weight = {**bf16_gemm, "w_ptr": FP8, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}
-for prologue in (gemm.NO_PROLOGUE, gemm.RMS_NORM, gemm.SILU_MUL):
-    ptx = build(gemm._skinny_mm_kernel, fp8_weight, {**weight_only, "PROLOGUE": prologue}, num_warps=2)
-    # the loop lets the next kernel launch only once it has asked for its last weight tile
-    assert ptx.rfind("cp.async.commit_group") < ptx.find("griddepcontrol.launch_dependents")
+loop_ptx = [
+    build(gemm._skinny_mm_kernel, fp8_weight, {**weight_only, "PROLOGUE": prologue}, num_warps=2)
+    for prologue in (gemm.NO_PROLOGUE, gemm.RMS_NORM, gemm.SILU_MUL)
+]
+bf16_loop = {**weight_only, "SCALED": False, "PROLOGUE": gemm.NO_PROLOGUE}
+loop_ptx.append(build(gemm._skinny_mm_kernel, bf16_gemm, bf16_loop, num_warps=2))
+# the pipelined GEMV lets the next kernel launch once, after asking for its last weight tile
+for ptx in loop_ptx:
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    assert 0 <= ptx.rfind("cp.async.commit_group") < ptx.find("griddepcontrol.launch_dependents")
 for fp8_cache in (False, True):
     cache = FP8 if fp8_cache else BF16
     pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}

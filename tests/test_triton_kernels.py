@@ -515,6 +515,15 @@ def test_paged_attention_fp8_cache():
     check_attention(4, 2, 32, 16, MIXED, kv_dtype=FP8_DTYPE)
 
 
+def test_paged_attention_fp8_cache_half_queries():
+    """16-bit queries over an FP8 cache: values widened to fp16 and p rounded to fp16 for the second product (the
+    GPU's path; fp32 queries above keep fp32). fp16, not bf16: the interpreter's bf16 products are wrong."""
+    q, cache, tables, seq_lens, qsl = attention_batch(MIXED, 4, 2, 32, 16, 3, FP8_DTYPE)
+    q = q.half()
+    out = attention.paged_attention(q, cache, tables, seq_lens, qsl, 32**-0.5)
+    assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 32**-0.5), 5e-3)
+
+
 def test_paged_attention_writes_then_reads_cache():
     """unified_attention's order: reshape_and_cache the new tokens, then attend over them."""
     lens = [(6, 6), (1, 11), (3, 14)]
@@ -568,6 +577,7 @@ def test_paged_attention_gpu_cuda_graph():
 def test_kernels_lower_to_sm90_machine_code():
     """The kernels compile for an H100 (see tests/sm90_lowering.py), GPU or not."""
     script = Path(__file__).with_name("sm90_lowering.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    # this checkout's kernels, not those of wherever atom_models is installed from
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(script.parent.parent)}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

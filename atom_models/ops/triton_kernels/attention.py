@@ -25,12 +25,13 @@ the split counters persist between launches (see `common.ticket_counters`).
 
 An FP8 cache is read with its per-tensor scales folded in: k_scale into the softmax scale, v_scale
 into the output (see `atom_models.ops.attention`). Its value tiles are widened to fp16 before the second
-product (`_fp8_to_f16`): converted by Triton, they left shared memory a byte a load, and the FP8 cache was
-read slower than a bf16 one (H100, batch 64 at context 2048: 0.186 ms against bf16's 0.195; now 0.124).
+product (`_fp8_to_f16`): converted by Triton, they left shared memory a byte a load, and the FP8 cache,
+half the bytes, was read no faster than a bf16 one (H100, batch 64 at context 2048: 0.186 ms against bf16's 0.195;
+now 0.124).
 
 GQA: a program's rows are (token, head) pairs of all query heads that share one KV head, so
 each key/value tile is loaded once per group. Scores and softmax are fp32; probabilities are
-rounded to the activation dtype for the second product, as flash attention does.
+rounded to the activation dtype for the second product, as flash attention does (to fp16 over an FP8 cache).
 """
 
 from __future__ import annotations

@@ -261,14 +261,14 @@ def run_scaled_mm(
 # per-row scales, the tile kernel for block scales) on every Llama-3-8B projection (H100 and H200, graph
 # replays); at 64 the tile kernel is even with it on gate_up, and beyond that tiles reuse x enough to win.
 SKINNY_MAX_M = 64
-# The largest weight the one-token GEMV loads before its PDL wait (`_weight_first_gemv_config`). Small weights
-# gain from it where launch latency is a large part of the kernel (Qwen3-0.6B, 2-12 MB: batch-1 step 1.153 ->
-# 1.100 ms, H100, 235edc4). Above it the pipelined loop: FP8 Llama-3-8B's o_proj (16.8 MB) took 13.8 us with its
-# weight first (8 x 4096 tiles, 255 registers, 2 programs a multiprocessor; ncu, H100) where qkv's 25 MB took
-# 13.5 in the loop; with the limit here, batch 1 3.830 -> 3.650 ms (H100). The loop's launches use PDL too, but
-# let the next kernel launch only after their loop (`launch_next_kernel`): letting it launch at the start cost
-# Llama-3-8B batch 1 5.867 -> 6.242 ms (its waiting programs take the multiprocessors of later waves); after
-# the loop, 5.787 -> 5.736, and FP8 3.659 -> 3.602 (H100, 2026-11-26).
+# The largest weight the one-token GEMV loads before its PDL wait (`_weight_first_gemv_config`: Qwen3-0.6B's
+# 2-12 MB projections 2.7-3.9 us against 3.9-5.2 in the loop, H100, a272b27). Above it the pipelined loop: FP8
+# Llama-3-8B's o_proj (16.8 MB) took 13.8 us with its weight first (8 x 4096 tiles, 255 registers, 2 programs a
+# multiprocessor; ncu, H100) where qkv's 25 MB took 13.5 in the loop; with the limit here, batch 1 3.830 -> 3.650
+# ms (H100). The loop's launches use PDL too, but let the next kernel launch only after their loop
+# (`launch_next_kernel`): letting it launch at the start cost Llama-3-8B batch 1 5.867 -> 6.242 ms (its waiting
+# programs take the multiprocessors of later waves); after the loop, 5.787 -> 5.736, and FP8 3.659 -> 3.602 (H100,
+# 2026-11-26).
 GEMV_WEIGHT_FIRST_MAX_BYTES = 12 << 20
 
 
