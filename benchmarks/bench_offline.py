@@ -59,6 +59,8 @@ def main() -> None:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
         seconds = time.perf_counter() - started
         stats = llm.engine.core.stats
+        blocks = llm.engine.core.block_manager
+        kv_tokens = blocks.num_blocks * blocks.block_size  # what the cache holds: with preemptions, what moved a run
         llm.shutdown()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     row = {
@@ -68,6 +70,7 @@ def main() -> None:
         "output_tok_s": generated / seconds,
         "total_tok_s": (generated + sum(input_lens)) / seconds,
         "preemptions": stats.num_preemptions,
+        "kv_cache_tokens": kv_tokens,
     }
     print_table(
         f"offline, {args.artifact.name if args.artifact else args.preset}, "
@@ -81,6 +84,7 @@ def main() -> None:
             ("output_tok_s", "output tok/s", ".0f"),
             ("total_tok_s", "total tok/s", ".0f"),
             ("preemptions", "preempt", "d"),
+            ("kv_cache_tokens", "KV tokens", "d"),
         ],
     )
     write_json(
