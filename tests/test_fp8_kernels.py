@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from atom_models.ops.attention import (
+    inline_cache_views,
+    inline_scale_cache_shape,
     paged_attention_reference,
     qk_norm_rope_and_cache_reference,
     reshape_and_cache_reference,
@@ -465,6 +467,44 @@ def test_attention_reads_scaled_fp8_cache(q_heads, kv_heads, head_dim, block_siz
     assert_close(out, ref, ATTN_TOL)
     unscaled = paged_attention_reference(q, cache, tables, seq_lens, qsl, head_dim**-0.5)
     assert not torch.allclose(ref, unscaled), "the scales must change the result"
+
+
+def test_inline_scale_cache_round_trip():
+    """A scale per (token, head), computed as each entry is written: tokens a thousand times apart in size come back
+    within e4m3's relative rounding, which one per-tensor scale cannot give both ends of."""
+    tokens, kv_heads, head_dim, block_size = 11, 2, 16, 4
+    shape = (tokens + 1, kv_heads, head_dim)  # and a padding token, not written
+    sizes = torch.logspace(-2, 1, tokens + 1, device=DEVICE)[:, None, None]
+    k, v = randn(*shape, dtype=torch.float32) * sizes, randn(*shape, dtype=torch.float32) * sizes.flip(0)
+    cache = torch.zeros(inline_scale_cache_shape(4, block_size, kv_heads, head_dim), dtype=torch.uint8, device=DEVICE)
+    slots = torch.arange(5, 5 + tokens, device=DEVICE)  # blocks 1-3, from an offset
+    reshape_and_cache_reference(k, v, cache, torch.cat([slots, torch.tensor([-1], device=DEVICE)]), None, None)
+    entries, scales = inline_cache_views(cache)
+    for i, x in enumerate((k[:tokens], v[:tokens])):
+        scale = scales[i, slots // block_size, :, slots % block_size]  # [tokens, kv_heads]
+        assert torch.equal(scale, x.abs().amax(dim=-1) / FP8_MAX)
+        back = entries[i, slots // block_size, slots % block_size].float() * scale[..., None]
+        assert ((back - x).abs() <= x.abs().amax(dim=-1, keepdim=True) * 2**-4).all()
+    assert not entries[:, 0].float().any() and not scales[:, 0].any(), "block 0 was not written"
+
+
+def test_attention_reads_inline_scale_cache():
+    """The reference over an inline-scale cache equals attention over the values it stands for."""
+    lens = [(5, 5), (1, 13), (3, 9)]
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, 4, 2, 16, 4, 0, DTYPE)
+    k, v = cache[0].flatten(0, 1), cache[1].flatten(0, 1)
+    inline = torch.zeros(inline_scale_cache_shape(cache.shape[1], 4, 2, 16), dtype=torch.uint8, device=DEVICE)
+    reshape_and_cache_reference(k, v, inline, torch.arange(k.shape[0], device=DEVICE), None, None)
+    entries, scales = inline_cache_views(inline)
+    stands_for = (entries.float() * scales.transpose(2, 3)[..., None]).to(cache.dtype)
+    out = paged_attention_reference(q, inline, tables, seq_lens, qsl, 0.25)
+    assert_close(out, paged_attention_reference(q, stands_for, tables, seq_lens, qsl, 0.25), 1e-6)
+    assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 0.25), 5e-2)
+
+
+def test_inline_scales_need_room_in_one_slot():
+    with pytest.raises(ValueError, match="4 \\* block_size <= head_dim"):
+        inline_scale_cache_shape(8, 32, 2, 64)
 
 
 def test_scales_ignored_by_unquantized_cache():

@@ -20,6 +20,12 @@ token and head because decode reads the whole cache every step: a per-tensor sca
 to that read, folds into the softmax scale (k) and the output (v), and keeps the cache one tensor
 a layer; e4m3's exponent already covers the spread between tokens that per-token scales would
 absorb. Caches of other dtypes ignore the scales.
+
+FP8 with a scale per token and head (branch, torch reference only so far): a uint8 cache
+`[2, num_blocks, block_size + 1, kv_heads, head_dim]` whose first `block_size` slots of a block hold e4m3
+entries and whose last slot holds the block's fp32 scales, head-major (`[kv_heads, block_size]` in the slot's
+bytes), so a head's scales for a tile of keys are contiguous, and the cache stays one tensor a layer (no new graph
+inputs). Each write computes its (token, head) scale from the entry's amax; the per-tensor scales are not used.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import Tensor
 
 from atom_models.ops.backend import implementation, register_impl
 from atom_models.ops.norm import rms_norm_reference
-from atom_models.ops.quant import FP8_DTYPE, quantize_fp8_static
+from atom_models.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8_static
 from atom_models.ops.rotary import rotary_embedding_reference
 
 # Ops that are the graph's split points: they read or write the KV cache, stay opaque
@@ -166,6 +172,31 @@ def _(
     return q.new_empty(q.shape)
 
 
+def inline_scales(kv_cache: Tensor) -> bool:
+    """Whether the cache is FP8 with its (token, head) scales inline (see the module docstring)."""
+    return kv_cache.dtype == torch.uint8
+
+
+def inline_scale_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The shape of an FP8 cache with inline scales: one slot more a block, for its fp32 scales."""
+    if 4 * block_size > head_dim:
+        raise ValueError(f"inline KV scales need 4 * block_size <= head_dim, got block {block_size}, head {head_dim}")
+    return (2, num_blocks, block_size + 1, kv_heads, head_dim)
+
+
+def cache_block_size(kv_cache: Tensor) -> int:
+    return kv_cache.shape[2] - 1 if inline_scales(kv_cache) else kv_cache.shape[2]
+
+
+def inline_cache_views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """(e4m3 entries [2, blocks, block_size, kv_heads, head_dim], fp32 scales [2, blocks, kv_heads, block_size]),
+    views that write through to the uint8 cache."""
+    block_size, kv_heads = cache_block_size(kv_cache), kv_cache.shape[3]
+    entries = kv_cache[:, :, :block_size].view(FP8_DTYPE)
+    scales = kv_cache[:, :, block_size].view(torch.float32).flatten(2)[..., : kv_heads * block_size]
+    return entries, scales.unflatten(2, (kv_heads, block_size))
+
+
 def to_cache_dtype(x: Tensor, cache_dtype: torch.dtype, scale: Tensor | None) -> Tensor:
     """x as the cache stores it: x / scale saturated to e4m3 in an FP8 cache, else a plain cast."""
     if cache_dtype == FP8_DTYPE:
@@ -180,6 +211,15 @@ def from_cache(x: Tensor, scale: Tensor | None) -> Tensor:
     return x.float()
 
 
+def cached_values(kv_cache: Tensor, kv: int, blocks: Tensor, seq_len: int, scale: Tensor | None) -> Tensor:
+    """fp32 keys (kv 0) or values (1) of the first seq_len tokens in `blocks`: [seq_len, kv_heads, head_dim]."""
+    if inline_scales(kv_cache):
+        entries, scales = inline_cache_views(kv_cache)
+        x = entries[kv, blocks].float() * scales[kv, blocks].transpose(1, 2)[..., None]
+        return x.flatten(0, 1)[:seq_len]
+    return from_cache(kv_cache[kv, blocks].flatten(0, 1)[:seq_len], scale)
+
+
 @register_impl("reshape_and_cache", "torch")
 def reshape_and_cache_reference(
     k: Tensor,
@@ -191,6 +231,14 @@ def reshape_and_cache_reference(
 ) -> None:
     slots = slot_mapping.long()
     valid = slots >= 0
+    if inline_scales(kv_cache):
+        entries, scales = inline_cache_views(kv_cache)
+        blocks, offsets = slots[valid] // entries.shape[2], slots[valid] % entries.shape[2]
+        for i, x in enumerate((k[valid], v[valid])):
+            scale = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [tokens, kv_heads]
+            entries[i, blocks, offsets] = quantize_fp8_static(x, scale[..., None])
+            scales[i, blocks, :, offsets] = scale
+        return
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     flat[0, slots[valid]] = to_cache_dtype(k[valid], kv_cache.dtype, k_scale)
     flat[1, slots[valid]] = to_cache_dtype(v[valid], kv_cache.dtype, v_scale)
@@ -208,7 +256,7 @@ def paged_attention_reference(
     v_scale: Tensor | None = None,
 ) -> Tensor:
     out = torch.zeros_like(q)
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    block_size, num_kv_heads = cache_block_size(kv_cache), kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -216,8 +264,8 @@ def paged_attention_reference(
         if last == first:
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = from_cache(kv_cache[0, blocks].flatten(0, 1)[:seq_len], k_scale).repeat_interleave(group, dim=1)
-        v = from_cache(kv_cache[1, blocks].flatten(0, 1)[:seq_len], v_scale).repeat_interleave(group, dim=1)
+        k = cached_values(kv_cache, 0, blocks, seq_len, k_scale).repeat_interleave(group, dim=1)
+        v = cached_values(kv_cache, 1, blocks, seq_len, v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[first:last].float(), k) * scale
         query_pos = torch.arange(seq_len - (last - first), seq_len, device=q.device)
         future = torch.arange(seq_len, device=q.device)[None, :] > query_pos[:, None]

@@ -708,6 +708,8 @@ def run_paged_attention(
     """`paged_attention` with explicit tile sizes (the benchmark sweeps them)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if kv_cache.dtype == torch.uint8:
+        raise NotImplementedError("an FP8 cache with inline scales is read by the torch reference only so far")
     if head_dim < 16 or head_dim & (head_dim - 1) or kv_cache.shape[4] != head_dim:
         raise ValueError(f"triton paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
     if kv_cache.stride(4) != 1 or q.stride(2) != 1:

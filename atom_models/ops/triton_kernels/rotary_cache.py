@@ -187,6 +187,8 @@ def _rope_cache(
     q_out = torch.empty(q.shape, dtype=act_dtype, device=q.device) if rope else None
     k_rot = torch.empty(k.shape, dtype=act_dtype, device=k.device) if k_out else None
     unused = k  # stands in for pointer arguments that the kernel's flags leave unread
+    if kv_cache is not None and kv_cache.dtype == torch.uint8:
+        raise NotImplementedError("an FP8 cache with inline scales is written by the torch reference only so far")
     caches = (kv_cache[0], kv_cache[1]) if kv_cache is not None else (unused, unused)
     q_w, k_w = norm_weights if norm_weights is not None else (unused, unused)
     fp8_cache = kv_cache is not None and kv_cache.dtype == FP8_DTYPE
