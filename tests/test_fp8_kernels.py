@@ -502,6 +502,42 @@ def test_attention_reads_inline_scale_cache():
     assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 0.25), 5e-2)
 
 
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(7, 4, 2, 16), (6, 6, 3, 32)])
+def test_cache_writes_with_inline_scales(tokens, q_heads, kv_heads, head_dim):
+    """The Triton cache writes against the reference: entries and their (token, head) scales."""
+    q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    table = rope_table(head_dim)
+    positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
+    q_w, k_w = randn(head_dim), randn(head_dim)
+    writes = [
+        (rotary_cache.reshape_and_cache, reshape_and_cache_reference, (k, v)),
+        (rotary_cache.rope_and_cache, rope_and_cache_reference, (positions, q, k, v, table)),
+        (
+            rotary_cache.qk_norm_rope_and_cache,
+            qk_norm_rope_and_cache_reference,
+            (positions, q, k, v, q_w, k_w, 1e-6, table),
+        ),
+    ]
+    for kernel, reference, args in writes:
+        _, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 4, FP8_DTYPE)
+        num_blocks = tokens // 4 + 3
+        cache = torch.zeros(inline_scale_cache_shape(num_blocks, 4, kv_heads, head_dim), dtype=torch.uint8)
+        cache = cache.to(DEVICE)
+        expected = cache.clone()
+        out = kernel(*args, cache, slots)
+        ref = reference(*args, expected, slots)
+        if out is not None:
+            assert_close(out, ref)
+        (entries, scales), (ref_entries, ref_scales) = inline_cache_views(cache), inline_cache_views(expected)
+        assert_close(scales, ref_scales, 1e-6)
+        assert scales.count_nonzero() == 2 * (tokens - 2) * kv_heads  # every written (token, head), no other
+        # rounding ties may fall differently: compare what the caches stand for
+        assert_close(
+            entries.float() * scales.transpose(2, 3)[..., None],
+            ref_entries.float() * ref_scales.transpose(2, 3)[..., None],
+        )
+
+
 def test_inline_scales_need_room_in_one_slot():
     with pytest.raises(ValueError, match="4 \\* block_size <= head_dim"):
         inline_scale_cache_shape(8, 32, 2, 64)

@@ -5,7 +5,8 @@ One kernel serves four ops, chosen by constexpr flags: `rotary_embedding` (rotat
 and v) and `qk_norm_rope_and_cache` (per-head RMSNorm first). Fused, q/k/v are read once
 and the rotated k never round-trips through memory. Inputs may be strided views (slices of
 a fused qkv projection); only the last dimension must be contiguous. An FP8 cache gets
-k / k_scale and v / v_scale saturated to e4m3 (see `atom_models.ops.attention`).
+k / k_scale and v / v_scale saturated to e4m3, or (inline scales) each head over its own amax / 448, the
+scale stored in the block's scale slot (see `atom_models.ops.attention`).
 
 Every head is handled as two halves [heads, head_dim / 2], as neox-style rotation pairs
 element i with element i + head_dim / 2. Roundings follow the reference: cos/sin and each
@@ -19,9 +20,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from atom_models.ops.attention import cache_block_size, inline_scales
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
-from atom_models.ops.triton_kernels.common import FP8_MAX_C, pdl_launch, tl_dtype, wait_for_previous_kernel
+from atom_models.ops.triton_kernels.common import (
+    FP8_MAX_C,
+    MIN_SCALE_C,
+    pdl_launch,
+    tl_dtype,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -45,6 +53,17 @@ def _to_fp8_range(x1, x2, scale_ptr, HAS_SCALE: tl.constexpr):
         scale = tl.load(scale_ptr)
         x1 = x1 / scale
         x2 = x2 / scale
+    return tl.clamp(x1, -FP8_MAX_C, FP8_MAX_C), tl.clamp(x2, -FP8_MAX_C, FP8_MAX_C)
+
+
+@triton.jit
+def _to_fp8_inline(x1, x2, scale_ptrs, mask):
+    """Each head (row) over its own scale, amax / 448, which goes to `scale_ptrs` ([heads])."""
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+    scale = tl.maximum(amax / FP8_MAX_C, MIN_SCALE_C)
+    tl.store(scale_ptrs, scale, mask=mask)
+    x1 = x1 / scale[:, None]
+    x2 = x2 / scale[:, None]
     return tl.clamp(x1, -FP8_MAX_C, FP8_MAX_C), tl.clamp(x2, -FP8_MAX_C, FP8_MAX_C)
 
 
@@ -117,6 +136,7 @@ def _rope_cache_kernel(
     WRITE_CACHE: tl.constexpr,
     FP8_CACHE: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    INLINE_SCALES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -150,7 +170,12 @@ def _rope_cache_kernel(
         if slot >= 0:
             offset = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
             v1, v2 = _load_halves(v_ptr + t * stride_vt, kv_heads, cols, kv_mask, stride_vh, HALF)
-            if FP8_CACHE:
+            if INLINE_SCALES:  # k/v_scale_ptr: the cache as fp32; the block's scales after its BLOCK_SIZE slots
+                block_start = (slot // BLOCK_SIZE) * stride_cache_block + BLOCK_SIZE * stride_cache_slot
+                scales = block_start // 4 + kv_heads * BLOCK_SIZE + slot % BLOCK_SIZE
+                k1, k2 = _to_fp8_inline(k1, k2, k_scale_ptr + scales, kv_heads < NUM_KV_HEADS)
+                v1, v2 = _to_fp8_inline(v1, v2, v_scale_ptr + scales, kv_heads < NUM_KV_HEADS)
+            elif FP8_CACHE:
                 k1, k2 = _to_fp8_range(k1, k2, k_scale_ptr, HAS_SCALES)
                 v1, v2 = _to_fp8_range(v1, v2, v_scale_ptr, HAS_SCALES)
             _store_halves(k_cache_ptr + offset, k1, k2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
@@ -187,13 +212,16 @@ def _rope_cache(
     q_out = torch.empty(q.shape, dtype=act_dtype, device=q.device) if rope else None
     k_rot = torch.empty(k.shape, dtype=act_dtype, device=k.device) if k_out else None
     unused = k  # stands in for pointer arguments that the kernel's flags leave unread
-    if kv_cache is not None and kv_cache.dtype == torch.uint8:
-        raise NotImplementedError("an FP8 cache with inline scales is written by the torch reference only so far")
+    inline = kv_cache is not None and inline_scales(kv_cache)
     caches = (kv_cache[0], kv_cache[1]) if kv_cache is not None else (unused, unused)
+    if inline:  # the entries as e4m3; the same bytes as fp32 hold the scales
+        k_scale, v_scale = (c.view(torch.float32) for c in caches)
+        caches = tuple(c.view(FP8_DTYPE) for c in caches)
     q_w, k_w = norm_weights if norm_weights is not None else (unused, unused)
     fp8_cache = kv_cache is not None and kv_cache.dtype == FP8_DTYPE
     has_scales = fp8_cache and kv_scales[0] is not None
-    k_scale, v_scale = kv_scales if has_scales else (unused, unused)
+    if not inline:
+        k_scale, v_scale = kv_scales if has_scales else (unused, unused)
     heads_q = q.shape[1]
     if num_tokens:
         _rope_cache_kernel[(num_tokens,)](
@@ -232,7 +260,7 @@ def _rope_cache(
             KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2,
             HALF_P=triton.next_power_of_2(head_dim // 2),
-            BLOCK_SIZE=caches[0].shape[1] if kv_cache is not None else 1,
+            BLOCK_SIZE=cache_block_size(kv_cache) if kv_cache is not None else 1,
             IN_DTYPE=tl_dtype(in_dtype),
             ACT_DTYPE=tl_dtype(act_dtype),
             ROPE=rope,
@@ -241,6 +269,7 @@ def _rope_cache(
             WRITE_CACHE=kv_cache is not None,
             FP8_CACHE=fp8_cache,
             HAS_SCALES=has_scales,
+            INLINE_SCALES=inline,
             num_warps=4,
             **pdl_launch(q.device),
         )
