@@ -137,7 +137,8 @@ loop_ptx.append(build(gemm._skinny_mm_kernel, bf16_gemm, bf16_loop, num_warps=2)
 for ptx in loop_ptx:
     assert ptx.count("griddepcontrol.launch_dependents") == 1
     assert 0 <= ptx.rfind("cp.async.commit_group") < ptx.find("griddepcontrol.launch_dependents")
-for fp8_cache in (False, True):
+# caches: bf16, FP8 with per-tensor scales, FP8 with inline (token, head) scales
+for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     cache = FP8 if fp8_cache else BF16
     pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}
     pointers |= {name: BF16 for name in ("q_ptr", "k_ptr", "v_ptr", "q_w_ptr", "k_w_ptr", "q_out_ptr", "k_out_ptr")}
@@ -145,7 +146,7 @@ for fp8_cache in (False, True):
     for qk_norm in (False, True):
         flags = {"ROPE": True, "QK_NORM": qk_norm, "K_OUT": False, "WRITE_CACHE": True}
         constexprs = {**heads, "BLOCK_SIZE": 16, "IN_DTYPE": tl.bfloat16, "ACT_DTYPE": tl.bfloat16, **flags}
-        constexprs |= {"FP8_CACHE": fp8_cache, "HAS_SCALES": fp8_cache}
+        constexprs |= {"FP8_CACHE": fp8_cache, "HAS_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline}
         build(rotary_cache._rope_cache_kernel, pointers, constexprs, num_warps=4)
     pointers = {"q_ptr": BF16, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": BF16, "tickets_ptr": I32}
     pointers |= {"block_tables_ptr": I32, "seq_lens_ptr": I32, "query_start_loc_ptr": I32}
@@ -154,7 +155,7 @@ for fp8_cache in (False, True):
         tiles = {"BLOCK_Q": config.block_m // 4, "BLOCK_N": config.block_n, "DECODE_ROWS": 16, "BLOCK_SIZE": 16}
         constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": attention.MAX_SPLITS}
         constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "DECODE_SPLIT_KEYS": config.split_keys}
-        constexprs |= {"KV_SCALES": fp8_cache, "DECODE_ONLY": decode_only}
+        constexprs |= {"KV_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline, "DECODE_ONLY": decode_only}
         warps = config.decode_warps if decode_only else config.num_warps
         ptx = build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=config.num_stages)
         # decode-only: the first key/value tile is asked of L2 before the wait (a hint no test could see fail)

@@ -49,6 +49,7 @@ from tests.test_triton_kernels import (  # noqa: E402, F401  (the fixture applie
     kv_cache_and_slots,
     randn,
     rope_table,
+    splitting_config,
 )
 
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -536,6 +537,24 @@ def test_cache_writes_with_inline_scales(tokens, q_heads, kv_heads, head_dim):
             entries.float() * scales.transpose(2, 3)[..., None],
             ref_entries.float() * ref_scales.transpose(2, 3)[..., None],
         )
+
+
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim,block_size,lens,padding",
+    [(4, 2, 32, 8, MIXED, 3), (8, 2, 16, 4, MIXED, 0), (4, 2, 32, 8, [(1, 23), (1, 5), (1, 40)], 0)],  # decode only
+)
+def test_attention_reads_inline_scale_cache_triton(q_heads, kv_heads, head_dim, block_size, lens, padding):
+    """The Triton kernel over an inline-scale cache against the reference, prefill tiles and split decodes."""
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, q_heads, kv_heads, head_dim, block_size, padding, DTYPE)
+    sizes = torch.logspace(-1, 1, cache.shape[1] * block_size, device=DEVICE).view(1, -1, block_size, 1, 1)
+    k, v = (cache * sizes)[0].flatten(0, 1), (cache * sizes.flip(1))[1].flatten(0, 1)
+    shape = inline_scale_cache_shape(cache.shape[1], block_size, kv_heads, head_dim)
+    inline = torch.zeros(shape, dtype=torch.uint8, device=DEVICE)
+    reshape_and_cache_reference(k, v, inline, torch.arange(k.shape[0], device=DEVICE), None, None)
+    ref = paged_attention_reference(q, inline, tables, seq_lens, qsl, head_dim**-0.5)
+    for config in (attention.default_config(head_dim), splitting_config(head_dim)):
+        out = attention.run_paged_attention(q, inline, tables, seq_lens, qsl, head_dim**-0.5, config)
+        assert_close(out, ref, ATTN_TOL)
 
 
 def test_inline_scales_need_room_in_one_slot():

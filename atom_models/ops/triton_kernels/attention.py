@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from atom_models.ops.attention import cache_block_size, inline_scales
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels.common import (
@@ -128,6 +129,9 @@ def _attend(
     v_cache_ptr,
     table_ptr,
     kv_head_offset,
+    k_scales_ptr,
+    v_scales_ptr,
+    scales_offset,
     lo,
     hi,
     q_pos,
@@ -138,11 +142,14 @@ def _attend(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
+    INLINE_SCALES: tl.constexpr,
 ):
     """Online-softmax attention of q over keys [lo, hi) gathered from the paged cache.
 
     With CAUSAL, key n is visible to row r only if n <= q_pos[r], and pages past `hi` are
     never looked up; without it every key in range is visible and [lo, hi) is whole tiles.
+    INLINE_SCALES: each key's and value's scale is read from its block's scale slot (the cache as fp32 at
+    `k/v_scales_ptr`; this head's row at `scales_offset` into a block) and multiplies its scores and its p.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -155,6 +162,9 @@ def _attend(
         offs = page.to(tl.int64)[:, None] * stride_kb + ((n % BLOCK_SIZE) * stride_ks + kv_head_offset)[:, None]
         k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
         qk = tl.dot(q, tl.trans(k))
+        if INLINE_SCALES:
+            scale_at = page.to(tl.int64) * (stride_kb // 4) + scales_offset + n % BLOCK_SIZE
+            qk = qk * tl.load(k_scales_ptr + scale_at, mask=n < hi, other=0.0)[None, :]
         if CAUSAL:
             qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
         # Scale inside the exponent (one FMA an element), and accumulate in place in the second
@@ -163,11 +173,16 @@ def _attend(
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         v = tl.load(v_cache_ptr + offs + offs_d[None, :])
-        if v.dtype == tl.float8e4nv and q.dtype != tl.float32:  # fp16 products: e4m3 fits, p in [0, 1] gains bits
+        if INLINE_SCALES:  # p times each value's scale, in q's dtype: scales may lie below fp16's range
+            p_v = (p * tl.load(v_scales_ptr + scale_at, mask=n < hi, other=0.0)[None, :]).to(q.dtype)
+            v = (_fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)).to(q.dtype)
+        elif v.dtype == tl.float8e4nv and q.dtype != tl.float32:  # fp16 products: e4m3 fits, p in [0, 1] gains bits
             v = _fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)
+            p_v = p.to(tl.float16)
         else:
             v = v.to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            p_v = p.to(q.dtype)
+        acc = tl.dot(p_v, v, acc * alpha[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     return acc, l_i, m_i
@@ -181,6 +196,9 @@ def _attend_context(
     v_cache_ptr,
     table_ptr,
     kv_head_offset,
+    k_scales_ptr,
+    v_scales_ptr,
+    scales_offset,
     lo,
     full_end,
     hi,
@@ -191,6 +209,7 @@ def _attend_context(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    INLINE_SCALES: tl.constexpr,
 ):
     """Attention over keys [lo, hi): [lo, full_end) unmasked, [full_end, hi) masked by q_pos."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -205,6 +224,9 @@ def _attend_context(
         v_cache_ptr,
         table_ptr,
         kv_head_offset,
+        k_scales_ptr,
+        v_scales_ptr,
+        scales_offset,
         lo,
         full_end,
         q_pos,
@@ -215,6 +237,7 @@ def _attend_context(
         BLOCK_SIZE,
         HEAD_DIM,
         False,
+        INLINE_SCALES,
     )
     acc, l_i, m_i = _attend(
         acc,
@@ -225,6 +248,9 @@ def _attend_context(
         v_cache_ptr,
         table_ptr,
         kv_head_offset,
+        k_scales_ptr,
+        v_scales_ptr,
+        scales_offset,
         full_end,
         hi,
         q_pos,
@@ -235,6 +261,7 @@ def _attend_context(
         BLOCK_SIZE,
         HEAD_DIM,
         True,
+        INLINE_SCALES,
     )
     return acc, l_i, m_i
 
@@ -292,6 +319,8 @@ def _decode_program(
     part_out_ptr,
     part_lse_ptr,
     ticket_ptr,
+    k_scales_ptr,
+    v_scales_ptr,
     seq,
     split,
     kv_head,
@@ -315,6 +344,7 @@ def _decode_program(
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
+    INLINE_SCALES: tl.constexpr,
 ):
     """One split of one decode token's attention (see `_split_range`); the last split to finish merges them all."""
     active, lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
@@ -336,6 +366,9 @@ def _decode_program(
             v_cache_ptr,
             table_ptr,
             kv_head * stride_kh,
+            k_scales_ptr,
+            v_scales_ptr,
+            kv_head * BLOCK_SIZE + BLOCK_SIZE * (stride_ks // 4),
             lo,
             full_end,
             hi,
@@ -346,6 +379,7 @@ def _decode_program(
             BLOCK_N,
             BLOCK_SIZE,
             HEAD_DIM,
+            INLINE_SCALES,
         )
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale
@@ -453,6 +487,8 @@ def _tile_program(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    k_scales_ptr,
+    v_scales_ptr,
     tile,
     kv_head,
     num_seqs,
@@ -473,6 +509,7 @@ def _tile_program(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    INLINE_SCALES: tl.constexpr,
 ):
     """Causal attention of one query tile of a prefill chunk, or zeros for a tile of padding tokens."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
@@ -506,6 +543,9 @@ def _tile_program(
                 v_cache_ptr,
                 block_tables_ptr + seq.to(tl.int64) * stride_bt,
                 kv_head * stride_kh,
+                k_scales_ptr,
+                v_scales_ptr,
+                kv_head * BLOCK_SIZE + BLOCK_SIZE * (stride_ks // 4),
                 0,
                 full_end,
                 hi,
@@ -516,6 +556,7 @@ def _tile_program(
                 BLOCK_N,
                 BLOCK_SIZE,
                 HEAD_DIM,
+                INLINE_SCALES,
             )
             out = acc / l_i[:, None] * v_scale
             tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -559,6 +600,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
     KV_SCALES: tl.constexpr,
+    INLINE_SCALES: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -606,6 +648,8 @@ def _attention_kernel(
                 part_out_ptr,
                 part_lse_ptr,
                 tickets_ptr + seq * num_kv_heads + kv_head,
+                k_scale_ptr,
+                v_scale_ptr,
                 seq,
                 pid // num_seqs,
                 kv_head,
@@ -629,6 +673,7 @@ def _attention_kernel(
                 BLOCK_SIZE,
                 SPLITS,
                 DECODE_SPLIT_KEYS,
+                INLINE_SCALES,
             )
     elif not DECODE_ONLY:
         # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
@@ -640,6 +685,8 @@ def _attention_kernel(
             block_tables_ptr,
             seq_lens_ptr,
             query_start_loc_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             tl.num_programs(0) // num_kv_heads - 1 - pid,
             kv_head,
             num_seqs,
@@ -660,6 +707,7 @@ def _attention_kernel(
             BLOCK_Q,
             BLOCK_N,
             BLOCK_SIZE,
+            INLINE_SCALES,
         )
 
 
@@ -707,9 +755,7 @@ def run_paged_attention(
 ) -> Tensor:
     """`paged_attention` with explicit tile sizes (the benchmark sweeps them)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    if kv_cache.dtype == torch.uint8:
-        raise NotImplementedError("an FP8 cache with inline scales is read by the torch reference only so far")
+    block_size, num_kv_heads = cache_block_size(kv_cache), kv_cache.shape[3]
     if head_dim < 16 or head_dim & (head_dim - 1) or kv_cache.shape[4] != head_dim:
         raise ValueError(f"triton paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
     if kv_cache.stride(4) != 1 or q.stride(2) != 1:
@@ -720,6 +766,10 @@ def run_paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    inline = inline_scales(kv_cache)
+    if inline:  # the entries as e4m3; the same bytes as fp32 hold the scales
+        k_scale, v_scale = k_cache.view(torch.float32), v_cache.view(torch.float32)
+        k_cache, v_cache = k_cache.view(FP8_DTYPE), v_cache.view(FP8_DTYPE)
     group_p = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p)
     num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device)
@@ -743,8 +793,8 @@ def run_paged_attention(
         part_out,
         part_lse,
         tickets,
-        k_scale if kv_scales else tickets,
-        v_scale if kv_scales else tickets,
+        k_scale if kv_scales or inline else tickets,
+        v_scale if kv_scales or inline else tickets,
         num_seqs,
         num_tokens,
         num_splits,
@@ -769,6 +819,7 @@ def run_paged_attention(
         BLOCK_SIZE=block_size,
         SPLITS=merge_splits,
         KV_SCALES=kv_scales,
+        INLINE_SCALES=inline,
         DECODE_ONLY=decode_only,
         num_warps=config.decode_warps if decode_only else config.num_warps,
         num_stages=config.num_stages,
