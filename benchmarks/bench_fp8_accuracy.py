@@ -10,6 +10,7 @@ quantized online, one variant at a time, and every variant is compared with the 
 - weights: per-channel FP8 weights, activations in the model dtype (weight-only);
 - weights+acts: per-channel weights and dynamic per-token FP8 activations (`--quantization fp8`);
 - +fp8 kv: the same with an FP8 KV cache (per-tensor scale 1.0, as without calibration);
+- +fp8 kv per token-head: the same with a scale per token and head, kept inline in the cache;
 - block weights+acts: 128x128 weight blocks (DeepSeek-V3 / Qwen3-FP8 style), where the model's
   packed shards are whole blocks.
 
@@ -38,6 +39,7 @@ from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
 from atom_models.loader import build_model, load_weights
 from atom_models.ops import default_backend, set_backend
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_models.quantization import QuantizationConfig
 
@@ -47,6 +49,7 @@ VARIANTS = {
     "weights": (QuantizationConfig.online_fp8(activations="none"), None),
     "weights+acts": (QuantizationConfig.online_fp8(), None),
     "+fp8 kv": (QuantizationConfig.online_fp8(), FP8_DTYPE),
+    "+fp8 kv per token-head": (QuantizationConfig.online_fp8(), INLINE_SCALE_DTYPE),
     "block weights+acts": (QuantizationConfig.online_fp8("block", block_size=(128, 128)), None),
 }
 
@@ -72,6 +75,8 @@ def window_logits(model, ids: torch.Tensor, kv_dtype: torch.dtype, device: torch
     n = ids.numel()
     blocks = -(-n // BLOCK_SIZE)
     shape = (2, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
+    if kv_dtype == INLINE_SCALE_DTYPE:
+        shape = inline_scale_cache_shape(*shape[1:])
     caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata(

@@ -172,9 +172,13 @@ def _(
     return q.new_empty(q.shape)
 
 
+# The dtype of an FP8 cache with inline (token, head) scales: its bytes are e4m3 entries and fp32 scales.
+INLINE_SCALE_DTYPE = torch.uint8
+
+
 def inline_scales(kv_cache: Tensor) -> bool:
     """Whether the cache is FP8 with its (token, head) scales inline (see the module docstring)."""
-    return kv_cache.dtype == torch.uint8
+    return kv_cache.dtype == INLINE_SCALE_DTYPE
 
 
 def inline_scale_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
