@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+# fp8: e4m3 with per-tensor scales (the checkpoint's, else 1.0); fp8_per_token_head: e4m3 with a scale per token and
+# head, computed as each entry is written and kept in the cache (see `atom_models.ops.attention`).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_per_token_head")
 # NONE: no graphs. FULL: the whole forward of pure-decode batches replays a captured graph.
 # PIECEWISE: the compiled pieces between attention ops replay graphs per token count, for every step.
 # FULL_AND_PIECEWISE: FULL for pure-decode batches, PIECEWISE for prefill and mixed ones.

@@ -8,6 +8,7 @@ either the eager nn.Module or a compiled artifact. The runner owns the KV cache.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from transformers import PretrainedConfig
 from atom_compile.load import CompiledModel
 from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -53,7 +55,12 @@ class ModelRunner:
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
         self.block_size = config.block_size
-        self.kv_dtype = {"auto": model.dtype, "bf16": torch.bfloat16, "fp8": FP8_DTYPE}[config.kv_cache_dtype]
+        self.kv_dtype = {
+            "auto": model.dtype,
+            "bf16": torch.bfloat16,
+            "fp8": FP8_DTYPE,
+            "fp8_per_token_head": INLINE_SCALE_DTYPE,
+        }[config.kv_cache_dtype]
         self.max_model_len = config.max_model_len
         cuda = self.device.type == "cuda"
         self.capture_sizes = config.graph_capture_sizes() if cuda else []
@@ -62,9 +69,9 @@ class ModelRunner:
             logger.info("piecewise CUDA graphs need a compiled artifact; prefill and mixed steps run eagerly")
             self.piecewise_sizes = []
         self.num_blocks = self._decide_num_blocks()
-        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size, self.kv_dtype)
+        self.kv_caches = [self.empty_kv_cache(self.num_blocks) for _ in range(self.num_layers)]
+        kind = "e4m3, a scale per token and head" if self.kv_dtype == INLINE_SCALE_DTYPE else self.kv_dtype
+        logger.info("KV cache: %d blocks of %d tokens (%s)", self.num_blocks, self.block_size, kind)
         self.inputs = StepInputs(
             max(config.max_num_batched_tokens, max(self.capture_sizes, default=0)),
             config.max_num_seqs,
@@ -106,10 +113,18 @@ class ModelRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's cache: [2, blocks, block_size, kv_heads, head_dim], a slot more a block for inline scales."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return inline_scale_cache_shape(*shape) if self.kv_dtype == INLINE_SCALE_DTYPE else (2, *shape)
+
+    def empty_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.kv_dtype, device=self.device)
+
     @property
     def block_bytes(self) -> int:
         element = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * element * self.num_layers
+        return math.prod(self.kv_cache_shape(1)) * element * self.num_layers
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kvcache_blocks:
@@ -145,9 +160,7 @@ class ModelRunner:
     def _graph_memory(self) -> int:
         """Memory the graphs will hold: the largest of each kind captured over a one-block cache, with margin."""
         size = max(self.capture_sizes + self.piecewise_sizes)
-        cache = torch.zeros(
-            (2, 1, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.kv_dtype, device=self.device
-        )
+        cache = self.empty_kv_cache(1)
         self.kv_caches = [cache] * self.num_layers
         self.inputs = StepInputs(size, size, 1, self.block_size, self.device)
         free_before = torch.cuda.mem_get_info()[0]
@@ -173,11 +186,7 @@ class ModelRunner:
         seq_len = min(tokens, self.max_model_len)
         num_seqs = -(-tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
-        cache = torch.zeros(
-            (2, num_seqs * blocks_per_seq, self.block_size, self.num_kv_heads, self.head_dim),
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
+        cache = self.empty_kv_cache(num_seqs * blocks_per_seq)
         lens = [seq_len] * (num_seqs - 1) + [tokens - seq_len * (num_seqs - 1)]
         positions = np.concatenate([np.arange(n) for n in lens])
         tables = np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq)

@@ -267,7 +267,7 @@ def test_artifact_generates_like_dequantized_hf(which, request, tmp_path):
     )
     hf = dequantized_hf(model_dir)
     prompt = list(range(40, 72))
-    for kv_cache_dtype in ("auto", "fp8"):
+    for kv_cache_dtype in ("auto", "fp8", "fp8_per_token_head"):
         llm = LLM(tmp_path / "artifact", kv_cache_dtype=kv_cache_dtype, max_model_len=128)
         try:
             agreement = teacher_forced_agreement(llm, hf, prompt)

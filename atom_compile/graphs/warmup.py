@@ -26,6 +26,7 @@ from torch import nn
 from atom_compile.trace import TracedModel, graph_arguments, model_weights
 from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 
 TRITON_CACHE = "triton_cache"
@@ -99,12 +100,15 @@ def step_inputs(step: list[tuple[int, int]], max_blocks: int, device: torch.devi
 
 
 def kv_cache_dtypes(model: nn.Module, device: torch.device) -> list[torch.dtype]:
-    """The KV-cache dtypes serving may choose: the model's (or bf16), and FP8 where the GPU has it (sm_89+)."""
+    """The KV-cache dtypes serving may choose: the model's (or bf16), and FP8 where the GPU has it (sm_89+), with
+    per-tensor scales and, where the head is wide enough for a block's scales in one slot, inline ones."""
     dtypes = [model.lm_head.weight.dtype]
     if dtypes[0] != torch.bfloat16:
         dtypes.append(torch.bfloat16)
     if torch.cuda.get_device_capability(device) >= (8, 9):
         dtypes.append(FP8_DTYPE)
+        if head_dim_of(model.config) >= 4 * BLOCK_SIZE:
+            dtypes.append(INLINE_SCALE_DTYPE)
     return dtypes
 
 
@@ -136,12 +140,13 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
     max_blocks = -(-max_model_len // BLOCK_SIZE)
     unsplit = unsplit_decode_batch(config.num_key_value_heads, head_dim_of(config), device)
     blocks = max(64, (unsplit + 1) * -(-(WARM_CONTEXT + 1) // BLOCK_SIZE))  # every step's tables fit
-    kv_shape = (2, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
+    kv_shape = (blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     weights = model_weights(model)
     forget_compiled_kernels()
     with triton_cache_at(cache):
         for kv_dtype in kv_cache_dtypes(model, device):  # serving picks one with --kv-cache-dtype
-            kv_caches = [torch.zeros(kv_shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
+            shape = inline_scale_cache_shape(*kv_shape) if kv_dtype == INLINE_SCALE_DTYPE else (2, *kv_shape)
+            kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
             for step in warm_steps(max_model_len, unsplit):
                 input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
                 forward(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))

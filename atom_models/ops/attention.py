@@ -15,17 +15,18 @@ FP8 KV cache (`--kv-cache-dtype fp8`): a float8_e4m3fn cache holds k / k_scale a
 saturated at ±448, and attention reads k * k_scale, v * v_scale. The scales are per tensor (one
 k and one v scale per layer): the checkpoint's calibrated `k_scale`/`v_scale` when it has them
 (compressed-tensors `kv_cache_scheme`), passed to every op as explicit inputs, else 1.0 (the
-ops' default when none is passed), as vLLM does without calibration. Per tensor rather than per
-token and head because decode reads the whole cache every step: a per-tensor scale adds no bytes
-to that read, folds into the softmax scale (k) and the output (v), and keeps the cache one tensor
-a layer; e4m3's exponent already covers the spread between tokens that per-token scales would
-absorb. Caches of other dtypes ignore the scales.
+ops' default when none is passed), as vLLM does without calibration. A per-tensor scale adds no
+bytes to decode's read of the whole cache and folds into the softmax scale (k) and the output (v);
+e4m3's exponent covers most of the spread between tokens that per-token scales would absorb. Caches
+of other dtypes ignore the scales.
 
-FP8 with a scale per token and head (branch, torch reference only so far): a uint8 cache
+FP8 with a scale per token and head (`--kv-cache-dtype fp8_per_token_head`): a uint8 cache
 `[2, num_blocks, block_size + 1, kv_heads, head_dim]` whose first `block_size` slots of a block hold e4m3
 entries and whose last slot holds the block's fp32 scales, head-major (`[kv_heads, block_size]` in the slot's
 bytes), so a head's scales for a tile of keys are contiguous, and the cache stays one tensor a layer (no new graph
 inputs). Each write computes its (token, head) scale from the entry's amax; the per-tensor scales are not used.
+On the demo model (`bench_fp8_accuracy.py`, FP8 weights and activations) against scale 1.0: KL mean 0.0106 ->
+0.0093, perplexity 39.53 -> 39.43 (bf16 39.29), top-1 agreement even (93.5%).
 """
 
 from __future__ import annotations
