@@ -19,7 +19,8 @@ config of `bench_gemm.skinny_sweep_configs` next to its default (`gemm.skinny_co
 table (best config per shape, M and layout) and written to the JSON rows as `skinny_{block,channel}_sweep`
 (every config's time). decode / offline: artifacts with random weights, exported
 bf16, FP8 online per-channel (`--quantization fp8`), FP8 block-128 (a config.json carrying an
-fp8 `quantization_config`) and per-channel with an FP8 KV cache (`--kv-cache-dtype fp8`), each timed
+fp8 `quantization_config`) and per-channel with an FP8 KV cache (`--kv-cache-dtype fp8`, or
+`fp8_per_token_head`), each timed
 by `bench_decode.py` / `bench_offline.py` in a subprocess.
 Prints tables and writes JSON.
 """
@@ -57,6 +58,7 @@ VARIANTS = {
     "fp8 per-channel": ({}, "fp8", "auto"),
     "fp8 block-128": ({"quantization_config": BLOCK_FP8}, None, "auto"),
     "fp8 + fp8 KV": ({}, "fp8", "fp8"),
+    "fp8 + fp8 KV per token-head": ({}, "fp8", "fp8_per_token_head"),
 }
 
 
