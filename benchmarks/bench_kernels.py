@@ -7,7 +7,8 @@ paged cache (block_size 16, blocks scattered); SDPA gets contiguous unpaged K/V.
 (1) causal prefill TFLOP/s (causal FLOPs: 2 * 2 * b * h * s^2 * d / 2);
 (2) decode KV-read TB/s (bytes of K and V of every context token), timed as CUDA-graph replays
     over enough independent caches that no replay is served from L2; with --fp8-kv also from an FP8 cache
-    (per-tensor scales, as `--kv-cache-dtype fp8` serves), whose TB/s count its one-byte entries;
+    (per-tensor scales, as `--kv-cache-dtype fp8` serves) and one with a scale per token and head
+    (`fp8_per_token_head`), whose TB/s count their one-byte entries (not the inline scales);
 (3) device-to-device copy bandwidth (bytes read + written), the ceiling for (2) and for the row kernels.
 Times are medians of triton.testing.do_bench on random data. --sweep also times other tile configs.
 """
@@ -33,7 +34,8 @@ from atom_models.ops import attention as attention_ops
 from atom_models.ops import norm as norm_ops
 from atom_models.ops import quant as quant_ops
 from atom_models.ops.activation import silu_and_mul_reference
-from atom_models.ops.quant import FP8_DTYPE, FP8_MAX
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_cache_views, inline_scale_cache_shape
+from atom_models.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq
 from atom_models.ops.triton_kernels import activation, attention, norm, rotary_cache
 
@@ -125,6 +127,18 @@ def to_fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return torch.stack([cache[0] / k_scale, cache[1] / v_scale]).to(FP8_DTYPE), k_scale, v_scale
 
 
+def to_inline_scale_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The cache in e4m3 with a scale per (token, head) inline (`--kv-cache-dtype fp8_per_token_head`)."""
+    _, blocks, block_size, heads, head_dim = cache.shape
+    inline = torch.zeros(inline_scale_cache_shape(blocks, block_size, heads, head_dim), dtype=INLINE_SCALE_DTYPE)
+    inline = inline.to(cache.device)
+    entries, scales = inline_cache_views(inline)
+    scale = (cache.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [2, blocks, block_size, heads]
+    entries.copy_((cache.float() / scale[..., None]).to(FP8_DTYPE))
+    scales.copy_(scale.transpose(2, 3))
+    return inline
+
+
 def bench_decode(
     seq_lens: list[int], label: str, configs: list[attention.AttentionConfig], sdpa: bool, fp8_kv: bool = False
 ) -> list[dict]:
@@ -142,6 +156,8 @@ def bench_decode(
             fp8_batches.append((q, cache8, *meta))
             fp8_scales.append((k_scale, v_scale))
         caches["ours (paged, fp8 KV)"] = (fp8_batches, fp8_scales, kv_bytes // 2)
+        inline_batches = [(q, to_inline_scale_cache(cache), *meta) for q, cache, *meta in batches]
+        caches["ours (fp8 KV per token-head)"] = (inline_batches, (), kv_bytes // 2)
     rows = []
     for kernel, (cached, scales, read) in caches.items():
         fp8_ref = attention_ops.paged_attention_reference(*cached[0], scale, *scales[0]) if scales else ref
