@@ -159,14 +159,14 @@ def bench_decode(
         inline_batches = [(q, to_inline_scale_cache(cache), *meta) for q, cache, *meta in batches]
         caches["ours (fp8 KV per token-head)"] = (inline_batches, (), kv_bytes // 2)
     rows = []
-    for kernel, (cached, scales, read) in caches.items():
-        fp8_ref = attention_ops.paged_attention_reference(*cached[0], scale, *scales[0]) if scales else ref
+    for kernel, (cached, scales, read) in caches.items():  # each against the reference over the same cache
+        cache_ref = attention_ops.paged_attention_reference(*cached[0], scale, *(scales[0] if scales else ()))
         for config in configs:
             calls = [
                 partial(attention.run_paged_attention, *b, scale, config, *(scales[i] if scales else ()))
                 for i, b in enumerate(cached)
             ]
-            err = rel_err(calls[0](), fp8_ref)
+            err = rel_err(calls[0](), cache_ref)
             ms = graph_ms(calls)
             rows.append(dict(kernel=kernel, config=asdict(config), rel_err=err, ms=ms, tbps=read / ms / 1e9))
     if sdpa and len(set(seq_lens)) == 1:

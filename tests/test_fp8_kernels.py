@@ -505,8 +505,10 @@ def test_attention_reads_inline_scale_cache():
 
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(7, 4, 2, 16), (6, 6, 3, 32)])
 def test_cache_writes_with_inline_scales(tokens, q_heads, kv_heads, head_dim):
-    """The Triton cache writes against the reference: entries and their (token, head) scales."""
+    """The Triton cache writes against the reference: entries and their (token, head) scales; an all-zero head
+    takes the smallest scale, not 0 (which would store 0 / 0)."""
     q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    k[0, 0], v[0, -1] = 0.0, 0.0
     table = rope_table(head_dim)
     positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
     q_w, k_w = randn(head_dim), randn(head_dim)
@@ -531,6 +533,7 @@ def test_cache_writes_with_inline_scales(tokens, q_heads, kv_heads, head_dim):
             assert_close(out, ref)
         (entries, scales), (ref_entries, ref_scales) = inline_cache_views(cache), inline_cache_views(expected)
         assert_close(scales, ref_scales, 1e-6)
+        assert not entries.float().isnan().any()
         assert scales.count_nonzero() == 2 * (tokens - 2) * kv_heads  # every written (token, head), no other
         # rounding ties may fall differently: compare what the caches stand for
         assert_close(

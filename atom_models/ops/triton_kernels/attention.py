@@ -48,6 +48,7 @@ from atom_models.ops.attention import cache_block_size, inline_scales
 from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels.common import (
+    FP8_MAX_C,
     pdl_launch,
     prefetch_to_l2,
     ticket_counters,
@@ -173,8 +174,10 @@ def _attend(
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         v = tl.load(v_cache_ptr + offs + offs_d[None, :])
-        if INLINE_SCALES:  # p times each value's scale, in q's dtype: scales may lie below fp16's range
-            p_v = (p * tl.load(v_scales_ptr + scale_at, mask=n < hi, other=0.0)[None, :]).to(q.dtype)
+        if INLINE_SCALES:  # p times each value's amax (its scale x 448, undone at the end: scales can lie below fp16's
+            # range), in q's dtype
+            v_amax = tl.load(v_scales_ptr + scale_at, mask=n < hi, other=0.0) * FP8_MAX_C
+            p_v = (p * v_amax[None, :]).to(q.dtype)
             v = (_fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)).to(q.dtype)
         elif v.dtype == tl.float8e4nv and q.dtype != tl.float32:  # fp16 products: e4m3 fits, p in [0, 1] gains bits
             v = _fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)
@@ -627,6 +630,8 @@ def _attention_kernel(
     if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+    elif INLINE_SCALES:  # p was multiplied by each value's scale x 448 (see `_attend`)
+        v_scale = 1.0 / FP8_MAX_C
     else:
         v_scale = 1.0
     if pid < num_seqs * num_splits:
