@@ -269,6 +269,9 @@ def test_artifact_generates_like_dequantized_hf(which, request, tmp_path):
     prompt = list(range(40, 72))
     for kv_cache_dtype in ("auto", "fp8", "fp8_per_token_head"):
         llm = LLM(tmp_path / "artifact", kv_cache_dtype=kv_cache_dtype, max_model_len=128)
+        runner = llm.engine.core.runner
+        caches = runner.kv_caches  # what the KV budget counts is what is allocated, the inline scales' slot too
+        assert runner.block_bytes * runner.num_blocks == sum(c.numel() * c.element_size() for c in caches)
         try:
             agreement = teacher_forced_agreement(llm, hf, prompt)
         finally:
