@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 from atom_compile.load import CompiledModel
 from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
-from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -114,9 +114,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's cache: [2, blocks, block_size, kv_heads, head_dim], a slot more a block for inline scales."""
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return inline_scale_cache_shape(*shape) if self.kv_dtype == INLINE_SCALE_DTYPE else (2, *shape)
+        return kv_cache_shape(self.kv_dtype, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def empty_kv_cache(self, num_blocks: int) -> torch.Tensor:
         return torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.kv_dtype, device=self.device)

@@ -39,7 +39,7 @@ from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
 from atom_models.loader import build_model, load_weights
 from atom_models.ops import default_backend, set_backend
-from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_models.quantization import QuantizationConfig
 
@@ -74,9 +74,7 @@ def window_logits(model, ids: torch.Tensor, kv_dtype: torch.dtype, device: torch
     config = model.config
     n = ids.numel()
     blocks = -(-n // BLOCK_SIZE)
-    shape = (2, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
-    if kv_dtype == INLINE_SCALE_DTYPE:
-        shape = inline_scale_cache_shape(*shape[1:])
+    shape = kv_cache_shape(kv_dtype, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata(

@@ -26,7 +26,7 @@ from torch import nn
 from atom_compile.trace import TracedModel, graph_arguments, model_weights
 from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
-from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 
 TRITON_CACHE = "triton_cache"
@@ -145,7 +145,7 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
     forget_compiled_kernels()
     with triton_cache_at(cache):
         for kv_dtype in kv_cache_dtypes(model, device):  # serving picks one with --kv-cache-dtype
-            shape = inline_scale_cache_shape(*kv_shape) if kv_dtype == INLINE_SCALE_DTYPE else (2, *kv_shape)
+            shape = kv_cache_shape(kv_dtype, *kv_shape)
             kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
             for step in warm_steps(max_model_len, unsplit):
                 input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)

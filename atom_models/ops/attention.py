@@ -189,6 +189,14 @@ def inline_scale_cache_shape(num_blocks: int, block_size: int, kv_heads: int, he
     return (2, num_blocks, block_size + 1, kv_heads, head_dim)
 
 
+def kv_cache_shape(dtype: torch.dtype, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple:
+    """One layer's cache of `dtype`: [2, blocks, block_size, kv_heads, head_dim], a slot more a block for inline
+    scales."""
+    if dtype == INLINE_SCALE_DTYPE:
+        return inline_scale_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    return (2, num_blocks, block_size, kv_heads, head_dim)
+
+
 def cache_block_size(kv_cache: Tensor) -> int:
     return kv_cache.shape[2] - 1 if inline_scales(kv_cache) else kv_cache.shape[2]
 
