@@ -25,7 +25,6 @@ import torch
 import uvloop
 from bench_common import copy_bandwidth, device_name, dummy_artifact, print_table, write_json
 
-from atom_models.llama import head_dim_of
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import KV_CACHE_DTYPES, EngineConfig
 from atom_runtime.scheduler import ScheduledChunk
@@ -363,8 +362,8 @@ def main() -> None:
         weights = llm.engine.core.runner.model.forward.weights
         weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values())
         bandwidth = copy_bandwidth()
-        kv_element = llm.engine.core.runner.kv_caches[0].element_size()
-        kv_token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * kv_element
+        runner = llm.engine.core.runner
+        kv_token_bytes = runner.block_bytes / runner.block_size  # K and V of every layer (and any inline scales)
         generator = torch.Generator().manual_seed(0)
         rows = []
         for batch in args.batch_sizes:
