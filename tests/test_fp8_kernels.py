@@ -428,14 +428,13 @@ def test_cache_round_trip_with_scales():
     assert_fp8_bound(v, v_back, v_scale)
 
 
-@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(7, 4, 2, 16), (6, 8, 2, 12)])
-def test_cache_writes_quantize_with_scales(tokens, q_heads, kv_heads, head_dim):
-    q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+def cache_writes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[tuple]:
+    """(Triton op, reference, arguments before the cache) of each cache write: reshape, RoPE, QK-norm and RoPE."""
+    tokens, head_dim = k.shape[0], k.shape[-1]
     table = rope_table(head_dim)
     positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
-    scales = kv_scales(0.01, 0.004)  # small scales: values land near the top of e4m3's range
     q_w, k_w = randn(head_dim), randn(head_dim)
-    writes = [
+    return [
         (rotary_cache.reshape_and_cache, reshape_and_cache_reference, (k, v)),
         (rotary_cache.rope_and_cache, rope_and_cache_reference, (positions, q, k, v, table)),
         (
@@ -444,7 +443,13 @@ def test_cache_writes_quantize_with_scales(tokens, q_heads, kv_heads, head_dim):
             (positions, q, k, v, q_w, k_w, 1e-6, table),
         ),
     ]
-    for kernel, reference, args in writes:
+
+
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(7, 4, 2, 16), (6, 8, 2, 12)])
+def test_cache_writes_quantize_with_scales(tokens, q_heads, kv_heads, head_dim):
+    q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
+    scales = kv_scales(0.01, 0.004)  # small scales: values land near the top of e4m3's range
+    for kernel, reference, args in cache_writes(q, k, v):
         cache, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 4, FP8_DTYPE)
         expected = cache.clone()
         out = kernel(*args, cache, slots, *scales)
@@ -509,23 +514,10 @@ def test_cache_writes_with_inline_scales(tokens, q_heads, kv_heads, head_dim):
     takes the smallest scale, not 0 (which would store 0 / 0)."""
     q, k, v = fused_qkv(tokens, q_heads, kv_heads, head_dim)
     k[0, 0], v[0, -1] = 0.0, 0.0
-    table = rope_table(head_dim)
-    positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
-    q_w, k_w = randn(head_dim), randn(head_dim)
-    writes = [
-        (rotary_cache.reshape_and_cache, reshape_and_cache_reference, (k, v)),
-        (rotary_cache.rope_and_cache, rope_and_cache_reference, (positions, q, k, v, table)),
-        (
-            rotary_cache.qk_norm_rope_and_cache,
-            qk_norm_rope_and_cache_reference,
-            (positions, q, k, v, q_w, k_w, 1e-6, table),
-        ),
-    ]
-    for kernel, reference, args in writes:
-        _, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 4, FP8_DTYPE)
-        num_blocks = tokens // 4 + 3
-        cache = torch.zeros(inline_scale_cache_shape(num_blocks, 4, kv_heads, head_dim), dtype=torch.uint8)
-        cache = cache.to(DEVICE)
+    for kernel, reference, args in cache_writes(q, k, v):
+        fp8_cache, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, 4, FP8_DTYPE)
+        shape = inline_scale_cache_shape(fp8_cache.shape[1], 4, kv_heads, head_dim)
+        cache = torch.zeros(shape, dtype=torch.uint8, device=DEVICE)
         expected = cache.clone()
         out = kernel(*args, cache, slots)
         ref = reference(*args, expected, slots)

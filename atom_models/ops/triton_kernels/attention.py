@@ -49,6 +49,7 @@ from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels.common import (
     FP8_MAX_C,
+    inline_scale_operands,
     pdl_launch,
     prefetch_to_l2,
     ticket_counters,
@@ -198,23 +199,25 @@ def _attend_context(
     k_cache_ptr,
     v_cache_ptr,
     table_ptr,
-    kv_head_offset,
+    kv_head,
     k_scales_ptr,
     v_scales_ptr,
-    scales_offset,
     lo,
     full_end,
     hi,
     qk_scale,
     stride_kb,
     stride_ks,
+    stride_kh,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
 ):
-    """Attention over keys [lo, hi): [lo, full_end) unmasked, [full_end, hi) masked by q_pos."""
+    """Attention of KV head `kv_head` over keys [lo, hi): [lo, full_end) unmasked, [full_end, hi) masked by q_pos."""
+    kv_head_offset = kv_head * stride_kh
+    scales_offset = kv_head * BLOCK_SIZE + BLOCK_SIZE * (stride_ks // 4)  # inline scales: this head's, in a block
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -368,16 +371,16 @@ def _decode_program(
             k_cache_ptr,
             v_cache_ptr,
             table_ptr,
-            kv_head * stride_kh,
+            kv_head,
             k_scales_ptr,
             v_scales_ptr,
-            kv_head * BLOCK_SIZE + BLOCK_SIZE * (stride_ks // 4),
             lo,
             full_end,
             hi,
             qk_scale,
             stride_kb,
             stride_ks,
+            stride_kh,
             ROWS,
             BLOCK_N,
             BLOCK_SIZE,
@@ -545,16 +548,16 @@ def _tile_program(
                 k_cache_ptr,
                 v_cache_ptr,
                 block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                kv_head * stride_kh,
+                kv_head,
                 k_scales_ptr,
                 v_scales_ptr,
-                kv_head * BLOCK_SIZE + BLOCK_SIZE * (stride_ks // 4),
                 0,
                 full_end,
                 hi,
                 qk_scale,
                 stride_kb,
                 stride_ks,
+                stride_kh,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_SIZE,
@@ -772,9 +775,8 @@ def run_paged_attention(
         return out.zero_()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     inline = inline_scales(kv_cache)
-    if inline:  # the entries as e4m3; the same bytes as fp32 hold the scales
-        k_scale, v_scale = k_cache.view(torch.float32), v_cache.view(torch.float32)
-        k_cache, v_cache = k_cache.view(FP8_DTYPE), v_cache.view(FP8_DTYPE)
+    if inline:
+        (k_cache, k_scale), (v_cache, v_scale) = inline_scale_operands(k_cache), inline_scale_operands(v_cache)
     group_p = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p)
     num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device)

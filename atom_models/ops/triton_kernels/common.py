@@ -105,6 +105,12 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     return tickets
 
 
+def inline_scale_operands(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One half (K or V) of a cache with inline scales as the kernels take it: its e4m3 entries, and the same bytes
+    as fp32, where a block's scales sit in its last slot (see `atom_models.ops.attention`)."""
+    return cache.view(FP8_DTYPE), cache.view(torch.float32)
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, last_dim] view with unit stride along the row (copies only if it must)."""
     if x.stride(-1) != 1:

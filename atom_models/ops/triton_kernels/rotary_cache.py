@@ -26,6 +26,7 @@ from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels.common import (
     FP8_MAX_C,
     MIN_SCALE_C,
+    inline_scale_operands,
     pdl_launch,
     tl_dtype,
     wait_for_previous_kernel,
@@ -214,14 +215,14 @@ def _rope_cache(
     unused = k  # stands in for pointer arguments that the kernel's flags leave unread
     inline = kv_cache is not None and inline_scales(kv_cache)
     caches = (kv_cache[0], kv_cache[1]) if kv_cache is not None else (unused, unused)
-    if inline:  # the entries as e4m3; the same bytes as fp32 hold the scales
-        k_scale, v_scale = (c.view(torch.float32) for c in caches)
-        caches = tuple(c.view(FP8_DTYPE) for c in caches)
-    q_w, k_w = norm_weights if norm_weights is not None else (unused, unused)
     fp8_cache = kv_cache is not None and kv_cache.dtype == FP8_DTYPE
     has_scales = fp8_cache and kv_scales[0] is not None
-    if not inline:
+    if inline:
+        (k_cache, k_scale), (v_cache, v_scale) = (inline_scale_operands(c) for c in caches)
+        caches = (k_cache, v_cache)
+    else:
         k_scale, v_scale = kv_scales if has_scales else (unused, unused)
+    q_w, k_w = norm_weights if norm_weights is not None else (unused, unused)
     heads_q = q.shape[1]
     if num_tokens:
         _rope_cache_kernel[(num_tokens,)](
