@@ -34,8 +34,8 @@ from atom_models.ops import attention as attention_ops
 from atom_models.ops import norm as norm_ops
 from atom_models.ops import quant as quant_ops
 from atom_models.ops.activation import silu_and_mul_reference
-from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_cache_views, inline_scale_cache_shape
-from atom_models.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
+from atom_models.ops.quant import FP8_DTYPE, FP8_MAX
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq
 from atom_models.ops.triton_kernels import activation, attention, norm, rotary_cache
 
@@ -128,14 +128,14 @@ def to_fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def to_inline_scale_cache(cache: torch.Tensor) -> torch.Tensor:
-    """The cache in e4m3 with a scale per (token, head) inline (`--kv-cache-dtype fp8_per_token_head`)."""
+    """The cache in e4m3 with a scale per (token, head) inline (`--kv-cache-dtype fp8_per_token_head`), written by
+    the reference cache write."""
     _, blocks, block_size, heads, head_dim = cache.shape
-    inline = torch.zeros(inline_scale_cache_shape(blocks, block_size, heads, head_dim), dtype=INLINE_SCALE_DTYPE)
-    inline = inline.to(cache.device)
-    entries, scales = inline_cache_views(inline)
-    scale = (cache.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [2, blocks, block_size, heads]
-    entries.copy_((cache.float() / scale[..., None]).to(FP8_DTYPE))
-    scales.copy_(scale.transpose(2, 3))
+    inline = torch.zeros(
+        inline_scale_cache_shape(blocks, block_size, heads, head_dim), dtype=INLINE_SCALE_DTYPE, device=cache.device
+    )
+    slots = torch.arange(blocks * block_size, device=cache.device)
+    attention_ops.reshape_and_cache_reference(cache[0].flatten(0, 1), cache[1].flatten(0, 1), inline, slots)
     return inline
 
 
