@@ -34,6 +34,7 @@ CHECKPOINTS = {
         dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_parameters=LLAMA3_ROPE),
     ),
     "qwen3": ("tiny-qwen3", {}),
+    "qwen3-headdim64": ("tiny-qwen3", dict(head_dim=64)),  # room for an FP8 cache's inline scales (4 x 16 <= 64)
     "llama-sharded": ("tiny-llama", dict(max_shard_size="40KB")),
 }
 

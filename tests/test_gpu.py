@@ -40,7 +40,7 @@ compiler.get_cache_key = recording_get_cache_key
 
 from atom_runtime import LLM, SamplingParams
 # 8-token steps: the long prompt prefills in chunks, beside the others' decodes (piecewise graphs)
-llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=8)
+llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=8, kv_cache_dtype=sys.argv[2])
 runner = llm.engine.core.runner
 outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 import os, pathlib
@@ -52,8 +52,18 @@ print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled":
 """
 
 
-@pytest.mark.parametrize("which,quantization", [("llama", None), ("qwen3", None), ("llama", "fp8")])
-def test_cuda_artifact_serves_without_compiling(which, quantization, request, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "checkpoint_name,quantization,kv_cache_dtype",
+    [
+        ("llama-gqa2-tied", None, "auto"),
+        ("qwen3", None, "auto"),
+        ("llama-gqa2-tied", "fp8", "auto"),
+        ("qwen3-headdim64", "fp8", "fp8_per_token_head"),  # a head wide enough for a block's scales in one slot
+    ],
+)
+def test_cuda_artifact_serves_without_compiling(
+    checkpoint_name, quantization, kv_cache_dtype, make_checkpoint, tmp_path, monkeypatch
+):
     import triton.compiler.compiler as compiler
 
     exported, export_keys = [], {}  # what the export compiled, and its cache-key parts, to compare with serving's
@@ -75,7 +85,7 @@ def test_cuda_artifact_serves_without_compiling(which, quantization, request, tm
 
     monkeypatch.setattr(compiler.ASTSource, "make_ir", recording_make_ir)
     monkeypatch.setattr(compiler, "get_cache_key", recording_get_cache_key)
-    checkpoint = request.getfixturevalue(f"tiny_{which}")
+    checkpoint = make_checkpoint(checkpoint_name)
     artifact = tmp_path / "artifact"
     ac.export(checkpoint, artifact, device="cuda", level=3, quantization=quantization)
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -84,7 +94,9 @@ def test_cuda_artifact_serves_without_compiling(which, quantization, request, tm
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CHILD.format(prompts=PROMPTS)))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ic"), TRITON_CACHE_DIR=str(tmp_path / "tc"))
-    run = subprocess.run([sys.executable, str(script), str(artifact)], env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, str(script), str(artifact), kv_cache_dtype], env=env, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["graphs"][0] == [1, 2, 4, 8] and result["graphs"][1] > 0  # FULL and PIECEWISE graphs both ran
@@ -114,6 +126,7 @@ def test_cuda_artifact_serves_without_compiling(which, quantization, request, tm
         enforce_eager=True,
         num_kvcache_blocks=256,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         max_num_batched_tokens=8,
     )
     try:
