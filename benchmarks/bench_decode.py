@@ -148,6 +148,12 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
         end = max(end, stop)
     wall = end - gpu[0][0]
     gaps.sort(reverse=True)
+    by_name: dict[str, list[float]] = {}  # name -> [calls, µs]: the graph's kernels and what runs around it
+    for start, stop, name in gpu:
+        entry = by_name.setdefault(name[:60], [0, 0.0])
+        entry[0] += 1
+        entry[1] += stop - start
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:16]
     summary = {
         "steps": steps,
         "gpu_span_ms_per_step": wall / steps / 1e3,
@@ -155,6 +161,7 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
         "idle_ms_per_step": (wall - busy) / steps / 1e3,
         "gaps_over_20us_per_step": sum(1 for g, _ in gaps if g > 20) / steps,
         "largest_gaps_us_before": [[round(g, 1), name[:60]] for g, name in gaps[:8]],
+        "gpu_calls_and_us_per_step": [[name, round(c / steps, 2), round(us / steps, 1)] for name, (c, us) in top],
     }
     print(f"\nengine trace, batch {len(prompts)}: " + json.dumps(summary, indent=1))
     return summary
