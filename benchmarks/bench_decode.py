@@ -98,6 +98,19 @@ def timed_decode(
     return (t1 - t0) / measured, phases
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Weight bytes a decode step reads: every weight once, except an untied embedding table (a step reads one row
+    a token; counting it overstated Llama-3-8B's bf16 roofline by 1.05 GB, 0.35 ms on an H100)."""
+    unique = {t.data_ptr(): t for t in weights.values()}
+    embedding = weights.get(EMBEDDING)
+    if embedding is not None and sum(t.data_ptr() == embedding.data_ptr() for t in weights.values()) == 1:
+        del unique[embedding.data_ptr()]
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def profile_step(llm: LLM, batch: int, out: Path) -> None:
     """Kernel time of one eager decode step (outside the graph), top kernels to a text file."""
     runner = llm.engine.core.runner
@@ -367,7 +380,7 @@ def main() -> None:
         )
         config = llm.engine.core.runner.model.config
         weights = llm.engine.core.runner.model.forward.weights
-        weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in weights.values()}.values())
+        weight_bytes = step_weight_bytes(weights)
         bandwidth = copy_bandwidth()
         runner = llm.engine.core.runner
         kv_token_bytes = runner.block_bytes / runner.block_size  # K and V of every layer (and any inline scales)
