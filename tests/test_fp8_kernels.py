@@ -495,9 +495,11 @@ def test_inline_scale_cache_round_trip():
 
 
 def test_attention_reads_inline_scale_cache():
-    """The reference over an inline-scale cache equals attention over the values it stands for."""
+    """The reference over an inline-scale cache equals attention over the values it stands for (in fp32 on any
+    device: bf16 values would round what they stand for once more)."""
     lens = [(5, 5), (1, 13), (3, 9)]
-    q, cache, tables, seq_lens, qsl = attention_batch(lens, 4, 2, 16, 4, 0, DTYPE)
+    q, cache, tables, seq_lens, qsl = attention_batch(lens, 4, 2, 16, 4, 0, torch.float32)
+    q = q.float()
     k, v = cache[0].flatten(0, 1), cache[1].flatten(0, 1)
     inline = torch.zeros(inline_scale_cache_shape(cache.shape[1], 4, 2, 16), dtype=torch.uint8, device=DEVICE)
     reshape_and_cache_reference(k, v, inline, torch.arange(k.shape[0], device=DEVICE), None, None)
@@ -524,7 +526,8 @@ def test_cache_writes_with_inline_scales(tokens, q_heads, kv_heads, head_dim):
         if out is not None:
             assert_close(out, ref)
         (entries, scales), (ref_entries, ref_scales) = inline_cache_views(cache), inline_cache_views(expected)
-        assert_close(scales, ref_scales, 1e-6)
+        # as `out` may, a rotated element may differ from torch's by an ulp of DTYPE (H100, bf16), and its amax
+        assert_close(scales, ref_scales)
         assert not entries.float().isnan().any()
         assert scales.count_nonzero() == 2 * (tokens - 2) * kv_heads  # every written (token, head), no other
         # rounding ties may fall differently: compare what the caches stand for
