@@ -228,9 +228,10 @@ class ModelRunner:
         """
         previous = in_flight.token_ids if in_flight is not None else None
         graph_size = self.graphs.size_for(chunks) if self.graphs is not None else None
+        argmax = None
         if graph_size is not None:
             self.inputs.load(chunks, pad_seqs_to=graph_size, in_flight=previous)
-            logits = self.graphs.replay(graph_size)
+            logits, argmax = self.graphs.replay(graph_size)
         elif self.piecewise is not None:
             tokens = self.piecewise.size_for(sum(c.num_tokens for c in chunks))
             sizes = self.inputs.load(chunks, in_flight=previous, pad_tokens_to=tokens)
@@ -242,7 +243,9 @@ class ModelRunner:
         sampling = [c.seq for c in chunks if c.samples]
         if not sampling:
             return None
-        sample = self.sampler(logits[: len(sampling)], sampling)
+        sample = self.sampler(
+            logits[: len(sampling)], sampling, argmax[: len(sampling)] if argmax is not None else None
+        )
         # Two steps can be in flight on the host side (one queued, one being read): alternate buffers.
         self._turn ^= 1
         if self._sampled_host:

@@ -80,18 +80,21 @@ def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor
 
 
 class Sampler:
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> DeviceSample:
-        """Sample one token per row; nothing here waits for the device."""
+    def __call__(self, logits: Tensor, seqs: list[Sequence], argmax: Tensor | None = None) -> DeviceSample:
+        """Sample one token per row; nothing here waits for the device. `argmax`: each row's argmax of `logits`,
+        where the step computed it already (a decode graph does): greedy rows' tokens, unless penalties or
+        min_tokens change the logits."""
         params = [s.params for s in seqs]
         raw_logits = logits
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
         if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
             logits = self._block_stop_tokens(logits.clone() if logits is raw_logits else logits, seqs)
+        argmax = argmax if logits is raw_logits else None
         if all(p.greedy for p in params):
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax if argmax is not None else logits.argmax(dim=-1)
         else:
-            sampled = self._sample(logits, seqs)
+            sampled = self._sample(logits, seqs, argmax)
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_logprobs is None:
             return DeviceSample(sampled)
@@ -122,7 +125,9 @@ class Sampler:
                 logits[row, _on_device(sorted(seq.stops_on), torch.long, logits.device)] = float("-inf")
         return logits
 
-    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
+    def _sample(self, logits: Tensor, seqs: list[Sequence], argmax: Tensor | None) -> Tensor:
+        """Greedy rows take `argmax` (if given) or the logits' argmax: their temperature is 1, and top-k and
+        top-p keep the largest logit."""
         device = logits.device
         params = [s.params for s in seqs]
         greedy = _on_device([p.greedy for p in params], torch.bool, device)
@@ -142,7 +147,9 @@ class Sampler:
                 drawn = torch.empty(probs.shape[1], pin_memory=device.type == "cuda")
                 noise[row] = drawn.exponential_(generator=seq.generator).to(device, non_blocking=True)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        if not any(p.greedy for p in params):
+            return sampled
+        return torch.where(greedy, argmax if argmax is not None else logits.argmax(dim=-1), sampled)
 
     @staticmethod
     def _top_k(logits: Tensor, top_k: list[int]) -> Tensor:

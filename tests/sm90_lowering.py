@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from atom_models.ops.triton_kernels import activation, attention, gemm, norm, quant, rotary_cache
+from atom_models.ops.triton_kernels import activation, attention, gemm, norm, quant, rotary_cache, sampling
 
 H100 = GPUTarget("cuda", 90, 64)
 BF16, FP8, I32, I64 = "*bf16", "*fp8e4nv", "*i32", "*i64"
@@ -87,6 +87,10 @@ for block, group in [(1024, 1024), (1024, 128), (4096, 128), (64, 64)]:
     pointers = {"x_ptr": BF16, "res_ptr": BF16, "w_ptr": BF16, "out_ptr": FP8, "sum_ptr": BF16}
     dtypes = {"NORM_DTYPE": tl.bfloat16, "OUT_DTYPE": tl.bfloat16}
     build(norm._rms_norm_kernel, pointers, {**dtypes, "HAS_RESIDUAL": True, "QUANT": True, **rows}, num_warps=4)
+
+for splits in (1, 75):  # one slice a row (no merge), and Qwen3's 151,936-wide rows
+    argmax = {"SPLITS": splits, "SPLITS_P": triton.next_power_of_2(splits), "BLOCK": sampling.BLOCK}
+    build(sampling._argmax_kernel, {"out_ptr": I64, "part_index_ptr": I32, "ticket_ptr": I32}, argmax, num_warps=4)
 
 fp8_gemm = {"x_ptr": FP8, "w_ptr": FP8, "out_ptr": BF16, "ticket_ptr": "*i32"}
 blocks = {"SCALE_N": 128, "SCALE_K": 128, "SCALE_ALONG_K": True, "HAS_BIAS": False}

@@ -357,3 +357,18 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
             seq.token_ids[last] = token
         for chunk in chunks:
             computed[chunk.seq] = chunk.start + chunk.num_tokens
+
+
+def test_sampler_takes_a_steps_argmax_only_over_unchanged_logits():
+    """A decode graph's argmax is a greedy batch's sample, unless penalties or min_tokens changed the logits."""
+    from atom_runtime.sampler import Sampler
+
+    logits = torch.tensor([[0.0, 3.0, 2.0], [2.0, 0.0, 1.0]])
+    given = torch.tensor([0, 1])  # not the argmax: shows where the sampler's answer came from
+    plain = [Sequence(str(i), 0, [1], SamplingParams(temperature=0)) for i in range(2)]
+    assert Sampler()(logits, plain, given).token_ids.tolist() == [0, 1]
+    assert Sampler()(logits, plain).token_ids.tolist() == [1, 0]
+    penalised = [Sequence(str(i), 0, [1], SamplingParams(temperature=0, repetition_penalty=2.0)) for i in range(2)]
+    assert Sampler()(logits, penalised, given).token_ids.tolist() == [2, 0]  # token 1's 3 halved: recomputed
+    mixed = [plain[0], Sequence("s", 0, [1], SamplingParams(temperature=1.0, top_k=1))]  # top-k 1: its argmax
+    assert Sampler()(logits, mixed, given).token_ids.tolist() == [0, 0]

@@ -41,9 +41,19 @@ from atom_models.ops.quant import (
     silu_and_mul_quant_fp8_reference,
 )
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_embedding_reference
+from atom_models.ops.sampling import argmax_rows_reference
 
 triton = pytest.importorskip("triton")
-from atom_models.ops.triton_kernels import activation, attention, common, gemm, norm, quant, rotary_cache  # noqa: E402
+from atom_models.ops.triton_kernels import (  # noqa: E402
+    activation,
+    attention,
+    common,
+    gemm,
+    norm,
+    quant,
+    rotary_cache,
+    sampling,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -158,6 +168,19 @@ def test_silu_and_mul(shape):
     assert_close(activation.silu_and_mul(x), silu_and_mul_reference(x))
     for group in (0, 16):
         assert_fp8_close(activation.silu_and_mul_quant_fp8(x, group), silu_and_mul_quant_fp8_reference(x, group), group)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 5000), (6, 4099), (3, 2048), (2, 7)] + ([(37, 151936)] if CUDA else []))
+def test_argmax_rows(rows, cols):
+    """Against torch.argmax: ties go to the first (also across slices), a NaN wins, an all -inf row gives 0."""
+    x = torch.randn(rows, cols, device=DEVICE)
+    x[0, cols // 2], x[0, cols - 1] = 50.0, 50.0  # equal largest values, in different slices where there are two
+    if rows > 2:
+        x[1, cols - 1] = float("nan")  # after the largest value: still the answer
+        x[2] = float("-inf")
+    x[-1, : cols // 3] = x[-1].max() + 1  # a run of equal largest values at the start
+    assert torch.equal(sampling.argmax_rows(x), argmax_rows_reference(x))
+    assert torch.equal(sampling.argmax_rows(x[:, : cols - 1]), argmax_rows_reference(x[:, : cols - 1]))  # strided
 
 
 @pytest.mark.parametrize("group", [0, 16, 128])

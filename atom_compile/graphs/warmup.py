@@ -1,12 +1,12 @@
 """Our own Triton kernels (attention, fused cache writes, ...) compiled at export and shipped.
 
 The compiled pieces carry Inductor's kernels inside them; the ops that run between pieces
-call atom's Triton kernels, which Triton compiles on first use. At export we run the
-artifact as serving will (its top graph over the compiled pieces, whose output strides
-the kernels specialise on) over steps shaped like the runtime's (decode batches, prefill
-chunks, mixed), with `TRITON_CACHE_DIR` pointing into the artifact, so every kernel
-variant serving launches is compiled there; loading copies them into the process's Triton
-cache. Kernels mark their step-dependent integer arguments `do_not_specialize`, so these
+call atom's Triton kernels, which Triton compiles on first use (and the decode graphs' argmax
+after them). At export we run the artifact as serving will (its top graph over the compiled
+pieces, whose output strides the kernels specialise on) over steps shaped like the runtime's
+(decode batches, prefill chunks, mixed), with `TRITON_CACHE_DIR` pointing into the artifact,
+so every kernel variant serving launches is compiled there; loading copies them into the
+process's Triton cache. Kernels mark their step-dependent integer arguments `do_not_specialize`, so these
 few shapes cover all steps.
 """
 
@@ -28,6 +28,7 @@ from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
 from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
+from atom_models.ops.sampling import argmax_rows
 
 TRITON_CACHE = "triton_cache"
 BLOCK_SIZE = 16  # the runtime's default block size
@@ -149,7 +150,10 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
             kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
             for step in warm_steps(max_model_len, unsplit):
                 input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
-                forward(*graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices))
+                (logits,) = forward(
+                    *graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices)
+                )
+        argmax_rows(logits)  # the decode graphs', over the logits as the LM head gives them
         torch.cuda.synchronize()
 
 

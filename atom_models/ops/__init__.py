@@ -5,7 +5,7 @@ a plain-torch reference (the ground truth), and Triton/AITER implementations whe
 GPU backend provides one (see `backend`).
 """
 
-from atom_models.ops import activation, attention, linear, norm, quant, rotary  # noqa: F401
+from atom_models.ops import activation, attention, linear, norm, quant, rotary, sampling  # noqa: F401
 from atom_models.ops.attention import KV_CACHE_OPS
 from atom_models.ops.backend import (
     available_backends,

@@ -28,4 +28,12 @@ def _use_inductors_ptxas() -> None:
 
 _use_inductors_ptxas()
 
-from atom_models.ops.triton_kernels import activation, attention, gemm, norm, quant, rotary_cache  # noqa: F401, E402
+from atom_models.ops.triton_kernels import (  # noqa: F401, E402
+    activation,
+    attention,
+    gemm,
+    norm,
+    quant,
+    rotary_cache,
+    sampling,
+)

@@ -1,0 +1,96 @@
+"""`argmax_rows` as one launch: each row is split into BLOCK-wide slices, each slice's program finds its largest
+value (the first of equal ones, NaN first of all), and the slice that arrives last picks among the partials.
+
+H100, 151,936-wide fp32 rows, CUDA-graph replays (2026-11-26): 1 row 4.3 us against torch's 10.7, 8 rows 6.7
+against 13.1, 64 rows 20.5 against 31.8, 256 rows 58.6 against 73.3 (2.7 TB/s). Slices of 2048 with 4 warps led at
+1-8 rows; 4096 and 8192 wide, or 8 warps, were within 2 us everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from atom_models.ops.backend import register_impl
+from atom_models.ops.triton_kernels.common import ticket_counters
+
+BLOCK = 2048
+
+
+@triton.jit
+def _largest(values, offsets):
+    """(value, offset) of the largest of `values`: the first of equal ones, a NaN before anything."""
+    nan = (values != values).to(tl.int32)
+    any_nan, first_nan = tl.max(nan, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    _, first_largest = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    i = tl.where(any_nan > 0, first_nan, first_largest)
+    at = tl.arange(0, values.shape[0]) == i
+    return tl.sum(tl.where(at, values, 0.0), axis=0), tl.sum(tl.where(at, offsets, 0), axis=0)
+
+
+@triton.jit
+def _argmax_kernel(
+    x_ptr,
+    part_value_ptr,
+    part_index_ptr,
+    out_ptr,
+    ticket_ptr,
+    n_cols,
+    stride_row,
+    SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = split * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols, other=float("-inf"))
+    value, index = _largest(x.to(tl.float32), cols)
+    if SPLITS == 1:
+        tl.store(out_ptr + row, index.to(tl.int64))
+    else:
+        tl.store(part_value_ptr + row * SPLITS + split, value)
+        tl.store(part_index_ptr + row * SPLITS + split, index)
+        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + row, 1)
+        if ticket == SPLITS - 1:  # the last slice of the row: slices in order, so the first of equal ones wins
+            tl.store(ticket_ptr + row, 0)  # ready for the next launch
+            s = tl.arange(0, SPLITS_P)
+            values = tl.load(
+                part_value_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf"), cache_modifier=".cg"
+            )
+            indices = tl.load(part_index_ptr + row * SPLITS + s, mask=s < SPLITS, other=0, cache_modifier=".cg")
+            _, index = _largest(values, indices)
+            tl.store(out_ptr + row, index.to(tl.int64))
+
+
+@register_impl("argmax_rows", "triton")
+def argmax_rows(x: Tensor) -> Tensor:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"argmax_rows takes rows contiguous along the last dimension, got shape {tuple(x.shape)}")
+    rows, n_cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    if n_cols == 0:
+        raise ValueError("argmax_rows of empty rows")
+    splits = triton.cdiv(n_cols, BLOCK)
+    part_value = torch.empty((rows, splits), dtype=torch.float32, device=x.device)
+    part_index = torch.empty((rows, splits), dtype=torch.int32, device=x.device)
+    _argmax_kernel[(rows, splits)](
+        x,
+        part_value,
+        part_index,
+        out,
+        ticket_counters(x.device, rows),
+        n_cols,
+        x.stride(0),
+        SPLITS=splits,
+        SPLITS_P=triton.next_power_of_2(splits),
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
+    return out
