@@ -6,8 +6,8 @@ after them). At export we run the artifact as serving will (its top graph over t
 pieces, whose output strides the kernels specialise on) over steps shaped like the runtime's
 (decode batches, prefill chunks, mixed), with `TRITON_CACHE_DIR` pointing into the artifact,
 so every kernel variant serving launches is compiled there; loading copies them into the
-process's Triton cache. Kernels mark their step-dependent integer arguments `do_not_specialize`, so these
-few shapes cover all steps.
+process's Triton cache. Kernels mark their step-dependent integer arguments
+`do_not_specialize`, so these few shapes cover all steps.
 """
 
 from __future__ import annotations
