@@ -2,7 +2,8 @@
 
 Importing this package registers the ops. Each has a fake implementation (so it traces),
 a plain-torch reference (the ground truth), and Triton/AITER implementations where a
-GPU backend provides one (see `backend`).
+GPU backend provides one (see `backend`). `sampling.argmax_rows`, which the decode CUDA
+graphs capture after the forward and nothing traces, is a plain function on the same backends.
 """
 
 from atom_models.ops import activation, attention, linear, norm, quant, rotary, sampling  # noqa: F401
