@@ -27,7 +27,11 @@ class SampledTokens:
 
 @dataclass
 class DeviceSample:
-    """A step's samples still on the device; `to_host` waits for them."""
+    """A step's samples still on the device; `to_host` waits for them.
+
+    `token_ids` may be a view of a decode graph's output (its argmax), which the graph's next replay overwrites:
+    what reads it on the device (the copy `start_copy` queues, the next step's carried tokens) is queued before
+    that replay, in stream order."""
 
     token_ids: Tensor
     logprob_token_ids: Tensor | None = None
@@ -126,10 +130,12 @@ class Sampler:
         return logits
 
     def _sample(self, logits: Tensor, seqs: list[Sequence], argmax: Tensor | None) -> Tensor:
-        """Greedy rows take `argmax` (if given) or the logits' argmax: their temperature is 1, and top-k and
-        top-p keep the largest logit."""
+        """Greedy rows take the argmax of the logits as given (`argmax`, if the step computed it), before any
+        filtering: top-p's sort may order equal logits either way, and drop the first of them."""
         device = logits.device
         params = [s.params for s in seqs]
+        if any(p.greedy for p in params) and argmax is None:
+            argmax = logits.argmax(dim=-1)
         greedy = _on_device([p.greedy for p in params], torch.bool, device)
         temperature = _on_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
         logits = logits / temperature.unsqueeze(1)
@@ -147,9 +153,7 @@ class Sampler:
                 drawn = torch.empty(probs.shape[1], pin_memory=device.type == "cuda")
                 noise[row] = drawn.exponential_(generator=seq.generator).to(device, non_blocking=True)
         sampled = (probs / noise).argmax(dim=-1)
-        if not any(p.greedy for p in params):
-            return sampled
-        return torch.where(greedy, argmax if argmax is not None else logits.argmax(dim=-1), sampled)
+        return sampled if argmax is None else torch.where(greedy, argmax, sampled)
 
     @staticmethod
     def _top_k(logits: Tensor, top_k: list[int]) -> Tensor:

@@ -372,3 +372,16 @@ def test_sampler_takes_a_steps_argmax_only_over_unchanged_logits():
     assert Sampler()(logits, penalised, given).token_ids.tolist() == [2, 0]  # token 1's 3 halved: recomputed
     mixed = [plain[0], Sequence("s", 0, [1], SamplingParams(temperature=1.0, top_k=1))]  # top-k 1: its argmax
     assert Sampler()(logits, mixed, given).token_ids.tolist() == [0, 0]
+
+
+def test_greedy_rows_of_a_sampled_batch_take_the_first_of_equal_largest_logits():
+    """As torch.argmax and the decode graphs do, whatever top-p's (unstable) sort does with the ties."""
+    from atom_runtime.sampler import Sampler
+
+    logits = torch.zeros(2, 64)
+    logits[0, [5, 9, 30]] = 4.0
+    rows = [
+        Sequence("greedy", 0, [1], SamplingParams(temperature=0, top_p=0.2)),
+        Sequence("random", 0, [1], SamplingParams(temperature=1.0)),
+    ]
+    assert all(Sampler()(logits, rows).token_ids[0] == 5 for _ in range(20))

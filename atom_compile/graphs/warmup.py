@@ -153,7 +153,8 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
                 (logits,) = forward(
                     *graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices)
                 )
-        argmax_rows(logits)  # the decode graphs', over the logits as the LM head gives them
+                if len(step):  # (a short max_model_len can empty a step)
+                    argmax_rows(logits)  # the decode graphs', over the logits as the LM head gives them
         torch.cuda.synchronize()
 
 
