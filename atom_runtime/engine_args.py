@@ -68,7 +68,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.enable_prefix_caching,
         help="reuse KV blocks of shared prompt prefixes",
     )
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_DEFAULTS.kv_cache_dtype)
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=_DEFAULTS.kv_cache_dtype,
+        help="auto: the model's dtype (bf16 forces it); fp8: e4m3 with per-tensor scales (the checkpoint's, else 1.0); "
+        "fp8_per_token_head: e4m3 with a scale per token and head, kept in the cache",
+    )
     group.add_argument(
         "--max-logprobs", type=int, default=_DEFAULTS.max_logprobs, help="most logprobs a request may ask for"
     )
