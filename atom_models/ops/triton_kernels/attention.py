@@ -50,6 +50,7 @@ from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels.common import (
     FP8_MAX_C,
     inline_scale_operands,
+    last_to_arrive,
     pdl_launch,
     prefetch_to_l2,
     ticket_counters,
@@ -400,11 +401,7 @@ def _decode_program(
             tl.store(
                 part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out, mask=(g < GROUP)[:, None]
             )
-            # Every thread's partial is stored before the ticket (acq_rel) publishes them.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(ticket_ptr, 1)
-            if ticket == active - 1:
-                tl.store(ticket_ptr, 0)  # every split has arrived: ready for the next launch
+            if last_to_arrive(ticket_ptr, active):  # every split has arrived
                 _merge_splits(
                     part_out_ptr,
                     part_lse_ptr,

@@ -105,6 +105,18 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     return tickets
 
 
+@triton.jit
+def last_to_arrive(ticket_ptr, arrivals):
+    """For kernels whose programs each store a partial and the last to arrive merges them all: called once every
+    partial is stored, True in the program that arrives last (`arrivals` in all), which resets the counter at
+    `ticket_ptr` (see `ticket_counters`) for the next launch and may then read the others' partials past L1."""
+    tl.debug_barrier()  # every thread's partial is stored before the ticket (acq_rel) publishes them
+    last = tl.atomic_add(ticket_ptr, 1) == arrivals - 1
+    if last:
+        tl.store(ticket_ptr, 0)
+    return last
+
+
 def inline_scale_operands(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One half (K or V) of a cache with inline scales as the kernels take it: its e4m3 entries, and the same bytes
     as fp32, where a block's scales sit in its last slot (see `atom_models.ops.attention`)."""

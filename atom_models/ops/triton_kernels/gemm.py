@@ -39,6 +39,7 @@ from atom_models.ops.quant import one_token
 from atom_models.ops.triton_kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
 from atom_models.ops.triton_kernels.common import (
     as_rows,
+    last_to_arrive,
     launch_next_kernel,
     pdl_launch,
     ticket_counters,
@@ -501,12 +502,8 @@ def _skinny_mm_kernel(
         part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
         ok = m_ok[None, :] & n_ok[:, None]
         tl.store(part_ptrs + pid_k * M * N, acc, mask=ok)
-        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + pid_n, 1)
-        last = ticket == num_splits - 1  # the slice that arrives last sums the partials and stores
+        last = last_to_arrive(ticket_ptr + pid_n, num_splits)  # the slice that arrives last sums the partials
         if last:
-            tl.store(ticket_ptr + pid_n, 0)  # every slice has arrived: ready for the next launch
             acc = tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
             for s in range(1, num_splits):
                 acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")

@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.triton_kernels.common import ticket_counters
+from atom_models.ops.triton_kernels.common import last_to_arrive, ticket_counters
 
 BLOCK = 2048
 
@@ -53,11 +53,7 @@ def _argmax_kernel(
     else:
         tl.store(part_value_ptr + row * SPLITS + split, value)
         tl.store(part_index_ptr + row * SPLITS + split, index)
-        # Every thread's partial is stored before the ticket (acq_rel) publishes them.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + row, 1)
-        if ticket == SPLITS - 1:  # the last slice of the row: slices in order, so the first of equal ones wins
-            tl.store(ticket_ptr + row, 0)  # ready for the next launch
+        if last_to_arrive(ticket_ptr + row, SPLITS):  # slices in order, so the first of equal ones wins
             s = tl.arange(0, SPLITS_P)
             values = tl.load(
                 part_value_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf"), cache_modifier=".cg"
