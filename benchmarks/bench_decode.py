@@ -39,7 +39,11 @@ def prefill_steps(num_prompts: int, context: int, budget: int) -> int:
 
 
 def timed_decode(
-    llm: LLM, prompts: list[list[int]], steps: int, on_mark: Callable[[str], None] | None = None
+    llm: LLM,
+    prompts: list[list[int]],
+    steps: int,
+    on_mark: Callable[[str], None] | None = None,
+    temperature: float = 0.0,
 ) -> tuple[float, dict[str, float]]:
     """Seconds per decode step while every sequence decodes, and the engine's seconds per step in each phase.
 
@@ -52,7 +56,7 @@ def timed_decode(
     if steps < 1:
         raise ValueError(f"time at least one decode step, got {steps}")
     slack = prefill_steps(len(prompts), max(map(len, prompts)), llm.engine.core.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=steps + slack + 1, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + slack + 1, ignore_eos=True)
     stats = llm.engine.core.stats
     num_started = 0  # requests that have their first token
     marks: dict[str, tuple[float, int, dict[str, float]]] = {}
@@ -344,6 +348,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of the timed requests (0: greedy)"
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -388,8 +395,8 @@ def main() -> None:
         rows = []
         for batch in args.batch_sizes:
             prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
-            timed_decode(llm, prompts, 4)  # warm-up
-            step_s, phase_s = timed_decode(llm, prompts, args.steps)
+            timed_decode(llm, prompts, 4, temperature=args.temperature)  # warm-up
+            step_s, phase_s = timed_decode(llm, prompts, args.steps, temperature=args.temperature)
             engine_ms = step_s * 1e3
             phases = {f"{p}_ms": seconds * 1e3 for p, seconds in phase_s.items()}
             kv_bytes = batch * (args.context + args.steps // 2) * kv_token_bytes
@@ -444,6 +451,7 @@ def main() -> None:
         {
             "preset": args.preset,
             "context": args.context,
+            "temperature": args.temperature,
             "copy_bandwidth": bandwidth,
             "weight_bytes": weight_bytes,
             "rows": rows,
