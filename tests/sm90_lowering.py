@@ -135,8 +135,13 @@ norm_gemm = {**bf16_gemm, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}
 build(gemm._skinny_mm_kernel, norm_gemm, weight_first, num_warps=8)
 # Qwen3-0.6B's gate_up (8 x 1024 tiles, 4 warps) keeps its tile packed until it multiplies (unpacked where the tile
 # lay in a loop: 125 registers, 4 programs a multiprocessor)
-gate_up = build(gemm._skinny_mm_kernel, norm_gemm, {**weight_first, "BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=4)
+gate_up_tiles = {**weight_first, "BLOCK_N": 8, "BLOCK_K": 1024}
+gate_up = build(gemm._skinny_mm_kernel, norm_gemm, gate_up_tiles, num_warps=4)
 assert registers_and_spills(gate_up)[0] <= 96
+# and under the cap that makes all of its programs resident (`_weight_first_gemv_config`), it spills nothing
+cap = gemm._weight_first_gemv_config(6144, 1024, 2, 132).max_registers
+gate_up = build(gemm._skinny_mm_kernel, norm_gemm, gate_up_tiles, num_warps=4, maxnreg=cap)
+assert registers_and_spills(gate_up) == (cap, 0)
 # the fp8_linear ops' weight-only GEMV: an unquantized token through an fp8 weight, after each prologue
 weight_only = {**unscaled, "SCALED": True, "SCALE_K": 512, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 8}
 weight_only |= {"BLOCK_K": 512, "USE_DOT": False, "NUM_STAGES": 4, "SPLIT": False, "WEIGHT_FIRST": False}

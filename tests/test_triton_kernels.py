@@ -240,6 +240,7 @@ GEMV_CONFIGS = [  # weight-first (one tile a program; and split in K slices of o
     gemm.SkinnyConfig(4, 64, 4, 4, 1, False),
     gemm.SkinnyConfig(8, 128, 3, 2, 2, False),
     gemm.SkinnyConfig(16, 64, 1, 4, 3, False),
+    gemm.SkinnyConfig(8, 256, 1, 4, 1, False, max_registers=80),
 ]
 
 
@@ -253,6 +254,15 @@ def test_gemv_config(n, k, weight_bytes):
     tile_bytes = config.block_n * config.block_k * weight_bytes
     weight_first = slice_cols == config.block_k and tile_bytes <= gemm.GEMV_TILE_BYTES
     assert weight_first == (n * k * weight_bytes <= gemm.GEMV_WEIGHT_FIRST_MAX_BYTES)
+
+
+def test_gemv_register_cap():
+    """A weight-first GEMV whose programs would not all be resident gets its registers capped so they are, but not
+    below what compiles without spills, and not where they fit anyway."""
+    gate_up = gemm._weight_first_gemv_config(6144, 1024, 2, 132)  # Qwen3-0.6B: 768 programs, 6 a multiprocessor
+    assert (gate_up.block_n, gate_up.max_registers) == (8, 80)
+    assert gemm._weight_first_gemv_config(4096, 1024, 2, 132).max_registers is None  # 512 programs: 4 fit anyway
+    assert gemm._weight_first_gemv_config(6144, 1024, 2, 66).max_registers is None  # 12 a multiprocessor: too few
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS)

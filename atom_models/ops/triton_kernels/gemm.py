@@ -279,6 +279,7 @@ class SkinnyConfig:
 
     `split_k`: K slices per N tile (1: none); `dot`: fp8 `tl.dot` with the token rows padded to 16
     (tensor cores), else (one token, per-row weight scales) an fp32 multiply-and-sum on the CUDA cores.
+    `max_registers`: ptxas's cap on registers a thread (None: its own choice).
     """
 
     block_n: int
@@ -287,6 +288,7 @@ class SkinnyConfig:
     num_warps: int
     num_stages: int
     dot: bool
+    max_registers: int | None = None
 
 
 def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, weight_bytes: int = 1) -> SkinnyConfig:
@@ -322,6 +324,12 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
 
 # Weight bytes a program of the weight-first GEMV holds in registers.
 GEMV_TILE_BYTES = 32 << 10
+# A weight-first GEMV's programs should all hold their tiles at once (a second wave starts loading only after the
+# wait): where more than 4 programs a multiprocessor need it, registers are capped to fit them in its register file,
+# down to the fewest that compile without spills (sm_90: 8 x 1024 bf16 tiles with the RMSNorm prologue, 92 registers
+# uncapped, spill at 72). Not above: ptxas takes a cap as a target (down_proj 96 -> 120 under a cap of 128).
+REGISTERS_PER_SM = 64 << 10
+GEMV_MIN_REGISTERS = 80
 
 
 def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> SkinnyConfig:
@@ -336,7 +344,12 @@ def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> Sk
     block_n = max(1, min(8, GEMV_TILE_BYTES // (block_k * weight_bytes)))
     while block_n > 1 and triton.cdiv(n, block_n) * triton.cdiv(k, block_k) < 2 * sms:
         block_n //= 2
-    return SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), 4, 1, False)
+    num_warps = 4
+    programs_per_sm = triton.cdiv(triton.cdiv(n, block_n) * triton.cdiv(k, block_k), sms)
+    max_registers = REGISTERS_PER_SM // (programs_per_sm * num_warps * 32) // 8 * 8
+    if not GEMV_MIN_REGISTERS <= max_registers < 128:
+        max_registers = None
+    return SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), num_warps, 1, False, max_registers)
 
 
 # What `_skinny_mm_kernel`'s one-token GEMV does to x before multiplying: the op in front of a decode projection,
@@ -617,6 +630,7 @@ def run_skinny_mm(
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             WEIGHT_FIRST=k_per_split == config.block_k,
             **constants,
+            **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl_launch(x.device),
         )
     return out.reshape(*x_q.shape[:-1], n)
