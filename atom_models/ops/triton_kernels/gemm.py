@@ -325,9 +325,10 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
 # Weight bytes a program of the weight-first GEMV holds in registers.
 GEMV_TILE_BYTES = 32 << 10
 # A weight-first GEMV's programs should all hold their tiles at once (a second wave starts loading only after the
-# wait): where more than 4 programs a multiprocessor need it, registers are capped to fit them in its register file,
-# down to the fewest that compile without spills (sm_90: 8 x 1024 bf16 tiles with the RMSNorm prologue, 92 registers
-# uncapped, spill at 72). Not above: ptxas takes a cap as a target (down_proj 96 -> 120 under a cap of 128).
+# wait): where more than 4 programs a multiprocessor need it, registers are capped to fit them in its register file
+# (with the tile compiled in one trip, `_skinny_mm_kernel`'s ONE_TRIP), down to the fewest that compile without
+# spills (sm_90: 8 x 1024 bf16 tiles with the RMSNorm prologue, 92 registers uncapped, spill at 72). Not above:
+# ptxas takes a cap as a target (down_proj 96 -> 120 under a cap of 128).
 REGISTERS_PER_SM = 64 << 10
 GEMV_MIN_REGISTERS = 80
 
@@ -442,6 +443,7 @@ def _skinny_mm_kernel(
     NUM_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,
+    ONE_TRIP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
@@ -464,6 +466,10 @@ def _skinny_mm_kernel(
     WEIGHT_FIRST: each K slice is one tile, loaded before the PDL wait (the weight does not depend on the
     kernel before; on a small weight its stream then overlaps that kernel's tail instead of following it).
     Otherwise the one-token GEMV lets the next kernel launch only after its loop (a large weight's many waves).
+    ONE_TRIP (weight first): the tile's loop of one trip gets constant bounds, so the compiler drops it. In a
+    runtime loop ptxas hoists the loop-invariant tile's unpacking out of it, twice its registers (Qwen3-0.6B's
+    gate_up 125 a thread, 92 without; capped at 80 it spills nothing, the loop form does), but it schedules the
+    loop form better: without the cap's need, one trip lost (H100, M = 1, qkv 3.9 -> 4.6 us, o 2.7 -> 3.1).
 
     Split K: program (n tile, slice) stores its fp32 partial to `part_ptr` [num_splits, M, N] and takes
     a ticket; the slice that arrives last sums the partials in slice order (deterministic) and
@@ -487,12 +493,10 @@ def _skinny_mm_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMS_NORM's, summed after the loop
     store_sum = pid_n == 0  # one program writes the residual sum
-    # A weight-first slice is one tile: a loop of one trip, with constant bounds so the compiler drops it (out of a
-    # runtime loop ptxas hoisted the loop-invariant tile's unpacking: twice its registers, 125 a thread for 8 x 1024).
-    loop_start = 0 if WEIGHT_FIRST else k_start
-    loop_end = BLOCK_K if WEIGHT_FIRST else k_end
+    loop_start = 0 if ONE_TRIP else k_start
+    loop_end = BLOCK_K if ONE_TRIP else k_end
     for k in tl.range(loop_start, loop_end, BLOCK_K, num_stages=NUM_STAGES):
-        k0 = k_start + k if WEIGHT_FIRST else k
+        k0 = k_start + k if ONE_TRIP else k
         k_ok = offs_k < k_end - k0
         if WEIGHT_FIRST:
             w = w_first
@@ -629,6 +633,7 @@ def run_skinny_mm(
             USE_DOT=config.dot,
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             WEIGHT_FIRST=k_per_split == config.block_k,
+            ONE_TRIP=config.max_registers is not None,
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl_launch(x.device),
