@@ -341,7 +341,7 @@ def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> Sk
     multiprocessor. Qwen3-0.6B's projections at M = 1 (H100, a272b27, graph replays): 2.7-3.9 us against 3.9-5.2
     for the pipelined loop, except gate_up (6.6 against 6.3); tile shapes other than single rows within ~7%.
     More than 4 programs a multiprocessor (gate_up's 768) take a register cap that fits them all at once
-    (REGISTERS_PER_SM): in the model, batch 1 0.852 -> 0.843 ms a graph replay (H100, fa913bc).
+    (REGISTERS_PER_SM): Qwen3-0.6B batch 1, graph replay 0.849-0.852 -> 0.837-0.843 ms (H100, fa913bc, 3 runs).
     """
     block_k = min(triton.next_power_of_2(k), 4096)
     block_n = max(1, min(8, GEMV_TILE_BYTES // (block_k * weight_bytes)))
