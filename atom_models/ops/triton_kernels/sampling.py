@@ -1,9 +1,10 @@
-"""`argmax_rows` as one launch: each row is split into BLOCK-wide slices, each slice's program finds its largest
-value (the first of equal ones, NaN first of all), and the slice that arrives last picks among the partials.
+"""`sample_rows` as one launch: each row is split into BLOCK-wide slices, each slice's program finds its largest
+score (the logits, or for a drawn row logits / T - log(E) with Philox noise; the first of equal ones, NaN first
+of all), and the slice that arrives last picks among the partials.
 
-H100, 151,936-wide fp32 rows, CUDA-graph replays (2026-11-26): 1 row 4.3 us against torch's 10.7, 8 rows 6.7
-against 13.1, 64 rows 20.5 against 31.8, 256 rows 58.6 against 73.3 (2.7 TB/s). Slices of 2048 with 4 warps led at
-1-8 rows; 4096 and 8192 wide, or 8 warps, were within 2 us everywhere else.
+H100, 151,936-wide fp32 rows, CUDA-graph replays (2026-11-26), argmax: 1 row 4.3 us against torch's 10.7, 8 rows
+6.7 against 13.1, 64 rows 20.5 against 31.8, 256 rows 58.6 against 73.3 (2.7 TB/s). Slices of 2048 with 4 warps led
+at 1-8 rows; 4096 and 8192 wide, or 8 warps, were within 2 us everywhere else.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def _largest(values, offsets):
 
 
 @triton.jit
-def _argmax_kernel(
+def _sample_kernel(
     x_ptr,
+    temperature_ptr,
+    seed_ptr,
+    position_ptr,
     part_value_ptr,
     part_index_ptr,
     out_ptr,
@@ -46,8 +50,15 @@ def _argmax_kernel(
     row = tl.program_id(0)
     split = tl.program_id(1)
     cols = split * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols, other=float("-inf"))
-    value, index = _largest(x.to(tl.float32), cols)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:  # a draw: the exponential race (see `atom_models.ops.sampling`)
+        seed = tl.load(seed_ptr + row)
+        position = tl.load(position_ptr + row).to(tl.int64)
+        bits = tl.randint(seed, (position << 32) + cols)
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        x = tl.math.div_rn(x, temperature) - tl.log(-tl.log(uniform))
+    value, index = _largest(x, cols)
     if SPLITS == 1:
         tl.store(out_ptr + row, index.to(tl.int64))
     else:
@@ -63,27 +74,32 @@ def _argmax_kernel(
             tl.store(out_ptr + row, index.to(tl.int64))
 
 
-@register_impl("argmax_rows", "triton")
-def argmax_rows(x: Tensor) -> Tensor:
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"argmax_rows takes rows contiguous along the last dimension, got shape {tuple(x.shape)}")
-    rows, n_cols = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+@register_impl("sample_rows", "triton")
+def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"sample_rows takes rows contiguous along the last dimension, got shape {tuple(logits.shape)}")
+    rows, n_cols = logits.shape
+    if not temperature.shape == seeds.shape == positions.shape == (rows,):
+        raise ValueError(f"sample_rows takes a temperature, seed and position for each of the {rows} rows")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     if n_cols == 0:
-        raise ValueError("argmax_rows of empty rows")
+        raise ValueError("sample_rows of empty rows")
     splits = triton.cdiv(n_cols, BLOCK)
-    part_value = torch.empty((rows, splits), dtype=torch.float32, device=x.device)
-    part_index = torch.empty((rows, splits), dtype=torch.int32, device=x.device)
-    _argmax_kernel[(rows, splits)](
-        x,
+    part_value = torch.empty((rows, splits), dtype=torch.float32, device=logits.device)
+    part_index = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
+    _sample_kernel[(rows, splits)](
+        logits,
+        temperature,
+        seeds,
+        positions,
         part_value,
         part_index,
         out,
-        ticket_counters(x.device, rows),
+        ticket_counters(logits.device, rows),
         n_cols,
-        x.stride(0),
+        logits.stride(0),
         SPLITS=splits,
         SPLITS_P=triton.next_power_of_2(splits),
         BLOCK=BLOCK,
