@@ -69,15 +69,20 @@ def test_capture_sizes_follow_config():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_decode_equals_eager(tiny_llama):
+    """Greedy and seeded draws alike: a decode graph draws the tokens the eager sampler does (top-p rows send
+    their whole batch through the sampler's filtering path)."""
     prompts = ["Hello", "The quick brown fox jumps", "a b c"] * 3
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    drawn = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    filtered = [*drawn[:-1], SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)]
     graphed = LLM(tiny_llama, device="cuda", cudagraph_capture_sizes=[1, 2, 4, 8, 16])
     eager = LLM(tiny_llama, device="cuda", enforce_eager=True)
     try:
         assert graphed.engine.core.runner.graphs is not None
-        assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [
-            o.outputs[0].token_ids for o in eager.generate(prompts, params)
-        ]
+        for params in (greedy, drawn, filtered):
+            assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [
+                o.outputs[0].token_ids for o in eager.generate(prompts, params)
+            ]
     finally:
         graphed.shutdown()
         eager.shutdown()
