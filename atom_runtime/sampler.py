@@ -94,14 +94,6 @@ class Draws:
     seeds: Tensor
     positions: Tensor
 
-    @classmethod
-    def of(cls, seqs: list[Sequence], positions: list[int], device: torch.device) -> Draws:
-        return cls(
-            _on_device([s.params.sample_temperature for s in seqs], torch.float32, device),
-            _on_device([s.sampling_seed for s in seqs], torch.int64, device),
-            _on_device(positions, torch.int32, device),
-        )
-
 
 class Sampler:
     def __call__(self, logits: Tensor, seqs: list[Sequence], draws: Draws, drawn: Tensor | None = None) -> DeviceSample:

@@ -381,7 +381,11 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
 def sample(logits: torch.Tensor, seqs: list[Sequence], drawn: torch.Tensor | None = None, position: int = 1):
     from atom_runtime.sampler import Draws, Sampler
 
-    draws = Draws.of(seqs, [position] * len(seqs), torch.device("cpu"))
+    draws = Draws(
+        torch.tensor([s.params.sample_temperature for s in seqs]),
+        torch.tensor([s.sampling_seed for s in seqs]),
+        torch.full((len(seqs),), position, dtype=torch.int32),
+    )
     return Sampler()(logits, seqs, draws, drawn).token_ids.tolist()
 
 
