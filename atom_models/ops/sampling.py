@@ -1,7 +1,8 @@
 """Each row's next token from a step's logits: its argmax, or a draw from softmax(logits / temperature).
 
 A draw is an exponential race: the argmax of logits / T - log(E), with E ~ Exp(1) a vocabulary entry, made from
-Philox4x32-10 (Triton's `tl.randint`) keyed by the row's seed and counting (vocabulary index, sequence position).
+Philox4x32-10 (Triton's `tl.randint4x`) keyed by the row's seed and counting (vocabulary block, sequence position):
+each of a counter's four words serves one quarter of a block of 4 x NOISE_QUARTER entries (`philox_bits`).
 So a draw is a function of (seed, position, logits) alone: not of the batch around it, nor of whether a CUDA graph
 or the eager sampler made it; it needs no generator state and no noise tensor, and it is one pass over the logits
 (softmax, exponential noise, division and argmax took five, and 0.07 ms of a Qwen3-0.6B batch-1 step on an H100).
@@ -23,6 +24,9 @@ PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
 MASK32 = 0xFFFFFFFF
 SEED_MASK = (1 << 63) - 1  # seeds are int64 tensors: any Python int keys a request through its low 63 bits
+# Vocabulary entries a Philox word stream covers: a block of 4 x NOISE_QUARTER entries takes NOISE_QUARTER counters,
+# the first quarter their first words, and so on (the kernel's slices are such blocks; see `philox_bits`).
+NOISE_QUARTER = 512
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
@@ -33,18 +37,22 @@ def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: T
 
 
 def philox_bits(seeds: Tensor, positions: Tensor, n_cols: int) -> Tensor:
-    """Philox4x32-10's first output word for counter (column, position, 0, 0) under key `seed`, as `tl.randint`
-    gives it for offset (position << 32) + column: [rows, n_cols] int64 in [0, 2^32). Products of two 32-bit words
-    wrap in int64 with their low 64 bits intact, which is all Philox keeps."""
+    """Each entry's 32 random bits: [rows, n_cols] int64 in [0, 2^32). Entry c of block b = c // (4Q) (Q =
+    NOISE_QUARTER) takes word (c % 4Q) // Q of Philox4x32-10 at counter (b * Q + c % Q, position, 0, 0) under key
+    `seed`: `tl.randint4x` at offset (position << 32) + counter. Products of two 32-bit words wrap in int64 with
+    their low 64 bits intact, which is all Philox keeps."""
+    quarter = NOISE_QUARTER
+    blocks = -(-n_cols // (4 * quarter))
     seeds, positions = seeds.long().unsqueeze(1), positions.long().unsqueeze(1)
-    c0 = torch.arange(n_cols, device=seeds.device).expand(seeds.shape[0], n_cols)
-    c1, c2, c3 = positions & MASK32, torch.zeros_like(c0), torch.zeros_like(c0)
+    c0 = torch.arange(blocks * quarter, device=seeds.device).expand(seeds.shape[0], -1)
+    c1, c2, c3 = (positions & MASK32).expand_as(c0), torch.zeros_like(c0), torch.zeros_like(c0)
     k0, k1 = seeds & MASK32, (seeds >> 32) & MASK32
     for _ in range(10):
         a, b = PHILOX_ROUND_A * c0, PHILOX_ROUND_B * c2
         c0, c1, c2, c3 = ((b >> 32) & MASK32) ^ c1 ^ k0, b & MASK32, ((a >> 32) & MASK32) ^ c3 ^ k1, a & MASK32
         k0, k1 = (k0 + PHILOX_KEY_A) & MASK32, (k1 + PHILOX_KEY_B) & MASK32
-    return c0
+    words = torch.stack([c0, c1, c2, c3], dim=1).view(-1, 4, blocks, quarter)  # [rows, word, block, counter]
+    return words.transpose(1, 2).reshape(-1, blocks * 4 * quarter)[:, :n_cols]
 
 
 @register_impl("sample_rows", "torch")

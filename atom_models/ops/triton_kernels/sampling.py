@@ -15,9 +15,10 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
+from atom_models.ops.sampling import NOISE_QUARTER
 from atom_models.ops.triton_kernels.common import last_to_arrive, ticket_counters
 
-BLOCK = 2048
+BLOCK = 4 * NOISE_QUARTER  # a slice: one noise block
 
 
 @triton.jit
@@ -29,6 +30,20 @@ def _largest(values, offsets):
     i = tl.where(any_nan > 0, first_nan, first_largest)
     at = tl.arange(0, values.shape[0]) == i
     return tl.sum(tl.where(at, values, 0.0), axis=0), tl.sum(tl.where(at, offsets, 0), axis=0)
+
+
+@triton.jit
+def _first_largest(value_a, index_a, value_b, index_b):
+    """The larger of two (value, index) pairs, a before b in the row: a on ties, a NaN before anything."""
+    take_b = (value_b > value_a) | ((value_b != value_b) & (value_a == value_a))
+    return tl.where(take_b, value_b, value_a), tl.where(take_b, index_b, index_a)
+
+
+@triton.jit
+def _score(x, bits, temperature):
+    """logits / T - log(E) of a drawn row, E = -log(u) ~ Exp(1) from a uniform u in (0, 1) of the bits' top 24."""
+    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return tl.math.div_rn(x, temperature) - tl.log(-tl.log(uniform))
 
 
 @triton.jit
@@ -45,20 +60,32 @@ def _sample_kernel(
     stride_row,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
-    BLOCK: tl.constexpr,
+    QUARTER: tl.constexpr,
 ):
+    """Slice `split` of a row is a noise block (see `atom_models.ops.sampling.philox_bits`): four quarters, each the
+    words of one Philox output of the block's QUARTER counters, so the noise takes a quarter of the Philox rounds
+    and registers it would a word at a time."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    cols = split * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    offs = tl.arange(0, QUARTER)
+    cols = split * 4 * QUARTER + offs
+    x_row = x_ptr + row.to(tl.int64) * stride_row
+    x0 = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    x1 = tl.load(x_row + cols + QUARTER, mask=cols + QUARTER < n_cols, other=float("-inf")).to(tl.float32)
+    x2 = tl.load(x_row + cols + 2 * QUARTER, mask=cols + 2 * QUARTER < n_cols, other=float("-inf")).to(tl.float32)
+    x3 = tl.load(x_row + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < n_cols, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:  # a draw: the exponential race (see `atom_models.ops.sampling`)
-        seed = tl.load(seed_ptr + row)
         position = tl.load(position_ptr + row).to(tl.int64)
-        bits = tl.randint(seed, (position << 32) + cols)
-        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        x = tl.math.div_rn(x, temperature) - tl.log(-tl.log(uniform))
-    value, index = _largest(x, cols)
+        bits0, bits1, bits2, bits3 = tl.randint4x(tl.load(seed_ptr + row), (position << 32) + split * QUARTER + offs)
+        x0 = _score(x0, bits0, temperature)
+        x1 = _score(x1, bits1, temperature)
+        x2 = _score(x2, bits2, temperature)
+        x3 = _score(x3, bits3, temperature)
+    value, index = _largest(x0, cols)
+    value, index = _first_largest(value, index, *_largest(x1, cols + QUARTER))
+    value, index = _first_largest(value, index, *_largest(x2, cols + 2 * QUARTER))
+    value, index = _first_largest(value, index, *_largest(x3, cols + 3 * QUARTER))
     if SPLITS == 1:
         tl.store(out_ptr + row, index.to(tl.int64))
     else:
@@ -102,7 +129,7 @@ def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: T
         logits.stride(0),
         SPLITS=splits,
         SPLITS_P=triton.next_power_of_2(splits),
-        BLOCK=BLOCK,
+        QUARTER=NOISE_QUARTER,
         num_warps=4,
     )
     return out
