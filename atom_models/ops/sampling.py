@@ -1,7 +1,7 @@
 """Each row's next token from a step's logits: its argmax, or a draw from softmax(logits / temperature).
 
 A draw is an exponential race: the argmax of logits / T - log(E), with E ~ Exp(1) a vocabulary entry, made from
-Philox4x32-10 (Triton's `tl.randint4x`) keyed by the row's seed and counting (vocabulary block, sequence position):
+Philox4x32-10 keyed by the row's seed and counting (vocabulary block, sequence position):
 each of a counter's four words serves one quarter of a block of 4 x NOISE_QUARTER entries (`philox_bits`).
 So a draw is a function of (seed, position, logits) alone: not of the batch around it, nor of whether a CUDA graph
 or the eager sampler made it; it needs no generator state and no noise tensor, and it is one pass over the logits
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from atom_models.ops.backend import implementation, register_impl
 
-# Philox4x32-10's constants, as in Triton's `tl.randint`.
+# Philox4x32-10's constants (Salmon et al., SC'11).
 PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
 MASK32 = 0xFFFFFFFF
@@ -39,8 +39,8 @@ def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: T
 def philox_bits(seeds: Tensor, positions: Tensor, n_cols: int) -> Tensor:
     """Each entry's 32 random bits: [rows, n_cols] int64 in [0, 2^32). Entry c of block b = c // (4Q) (Q =
     NOISE_QUARTER) takes word (c % 4Q) // Q of Philox4x32-10 at counter (b * Q + c % Q, position, 0, 0) under key
-    `seed`: `tl.randint4x` at offset (position << 32) + counter. Products of two 32-bit words wrap in int64 with
-    their low 64 bits intact, which is all Philox keeps."""
+    `seed` (low word first), the stream `tl.randint4x` gives at offset (position << 32) + counter. Products of two
+    32-bit words wrap in int64 with their low 64 bits intact, which is all Philox keeps."""
     quarter = NOISE_QUARTER
     blocks = -(-n_cols // (4 * quarter))
     seeds, positions = seeds.long().unsqueeze(1), positions.long().unsqueeze(1)

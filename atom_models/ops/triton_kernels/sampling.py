@@ -15,10 +15,19 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
-from atom_models.ops.sampling import NOISE_QUARTER
+from atom_models.ops.sampling import (
+    NOISE_QUARTER,
+    PHILOX_KEY_A,
+    PHILOX_KEY_B,
+    PHILOX_ROUND_A,
+    PHILOX_ROUND_B,
+)
 from atom_models.ops.triton_kernels.common import last_to_arrive, ticket_counters
 
 BLOCK = 4 * NOISE_QUARTER  # a slice: one noise block
+# As constexpr globals, so the kernel sees the reference's constants.
+KEY_A, KEY_B = tl.constexpr(PHILOX_KEY_A), tl.constexpr(PHILOX_KEY_B)
+ROUND_A, ROUND_B = tl.constexpr(PHILOX_ROUND_A), tl.constexpr(PHILOX_ROUND_B)
 
 
 @triton.jit
@@ -37,6 +46,30 @@ def _first_largest(value_a, index_a, value_b, index_b):
     """The larger of two (value, index) pairs, a before b in the row: a on ties, a NaN before anything."""
     take_b = (value_b > value_a) | ((value_b != value_b) & (value_a == value_a))
     return tl.where(take_b, value_b, value_a), tl.where(take_b, index_b, index_a)
+
+
+@triton.jit
+def _philox(counter, position, seed):
+    """Philox4x32-10 of counters (counter, position, 0, 0) under the 64-bit key `seed`: four uint32 words, as
+    `atom_models.ops.sampling.philox_bits` computes them (spelled out rather than `tl.randint4x`, whose counter
+    layout is Triton's to change)."""
+    c0 = counter.to(tl.uint32)
+    c1 = tl.zeros_like(c0) + position.to(tl.uint32)  # a non-negative int32
+    c2 = tl.zeros_like(c0)
+    c3 = tl.zeros_like(c0)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    round_a = tl.full([], ROUND_A, tl.uint32)
+    round_b = tl.full([], ROUND_B, tl.uint32)
+    for _ in tl.static_range(10):
+        a0, b2 = c0, c2
+        c0 = tl.math.umulhi(round_b, b2) ^ c1 ^ k0
+        c2 = tl.math.umulhi(round_a, a0) ^ c3 ^ k1
+        c1 = b2 * round_b
+        c3 = a0 * round_a
+        k0 = k0 + tl.full([], KEY_A, tl.uint32)
+        k1 = k1 + tl.full([], KEY_B, tl.uint32)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -76,8 +109,8 @@ def _sample_kernel(
     x3 = tl.load(x_row + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < n_cols, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:  # a draw: the exponential race (see `atom_models.ops.sampling`)
-        position = tl.load(position_ptr + row).to(tl.int64)
-        bits0, bits1, bits2, bits3 = tl.randint4x(tl.load(seed_ptr + row), (position << 32) + split * QUARTER + offs)
+        position = tl.load(position_ptr + row)
+        bits0, bits1, bits2, bits3 = _philox(split * QUARTER + offs, position, tl.load(seed_ptr + row))
         x0 = _score(x0, bits0, temperature)
         x1 = _score(x1, bits1, temperature)
         x2 = _score(x2, bits2, temperature)
