@@ -31,21 +31,19 @@ ROUND_A, ROUND_B = tl.constexpr(PHILOX_ROUND_A), tl.constexpr(PHILOX_ROUND_B)
 
 
 @triton.jit
-def _largest(values, offsets):
-    """(value, offset) of the largest of `values`: the first of equal ones, a NaN before anything."""
-    nan = (values != values).to(tl.int32)
-    any_nan, first_nan = tl.max(nan, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    _, first_largest = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    i = tl.where(any_nan > 0, first_nan, first_largest)
-    at = tl.arange(0, values.shape[0]) == i
-    return tl.sum(tl.where(at, values, 0.0), axis=0), tl.sum(tl.where(at, offsets, 0), axis=0)
+def _pick(value_a, index_a, value_b, index_b):
+    """The larger of two (value, index) pairs as torch.argmax ranks them: a NaN above anything, the smaller index
+    among equal values (or NaNs)."""
+    nan_a, nan_b = value_a != value_a, value_b != value_b
+    earlier = index_b < index_a
+    take_b = tl.where(nan_a | nan_b, nan_b & (~nan_a | earlier), (value_b > value_a) | ((value_b == value_a) & earlier))
+    return tl.where(take_b, value_b, value_a), tl.where(take_b, index_b, index_a)
 
 
 @triton.jit
-def _first_largest(value_a, index_a, value_b, index_b):
-    """The larger of two (value, index) pairs, a before b in the row: a on ties, a NaN before anything."""
-    take_b = (value_b > value_a) | ((value_b != value_b) & (value_a == value_a))
-    return tl.where(take_b, value_b, value_a), tl.where(take_b, index_b, index_a)
+def _largest(values, indices):
+    """(value, index) of the largest of `values` (see `_pick`), in one reduction."""
+    return tl.reduce((values, indices), 0, _pick)
 
 
 @triton.jit
@@ -115,10 +113,10 @@ def _sample_kernel(
         x1 = _score(x1, bits1, temperature)
         x2 = _score(x2, bits2, temperature)
         x3 = _score(x3, bits3, temperature)
-    value, index = _largest(x0, cols)
-    value, index = _first_largest(value, index, *_largest(x1, cols + QUARTER))
-    value, index = _first_largest(value, index, *_largest(x2, cols + 2 * QUARTER))
-    value, index = _first_largest(value, index, *_largest(x3, cols + 3 * QUARTER))
+    # the quarters entry by entry, then one reduction over the slice
+    value, index = _pick(x0, cols, x1, cols + QUARTER)
+    value, index = _pick(value, index, x2, cols + 2 * QUARTER)
+    value, index = _largest(*_pick(value, index, x3, cols + 3 * QUARTER))
     if SPLITS == 1:
         tl.store(out_ptr + row, index.to(tl.int64))
     else:
