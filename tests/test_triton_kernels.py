@@ -212,6 +212,22 @@ def test_sample_rows_draws(rows, cols):
     )
 
 
+@pytest.mark.parametrize("seed,position,column", [(35266, 7, 1415), (1, 26, 1058)])
+def test_sample_rows_noise_of_all_ones_stays_finite(seed, position, column):
+    """Entries whose noise bits are all ones but the last few (found by search; 0xffffffcc, 0xffffff9d): a uniform of
+    24 bits rounded them to 1.0 (a score of +inf, NaN at a -inf logit), which drew columns past the row (the next
+    step's embedding read out of bounds) and -inf logits. Past the row, or at -inf, such an entry is never drawn."""
+    temperature = torch.tensor([0.8], device=DEVICE)
+    seeds, positions = torch.tensor([seed], device=DEVICE), torch.tensor([position], dtype=torch.int32, device=DEVICE)
+    short = torch.randn(1, column - 100, device=DEVICE)  # the entry lies in the slice's masked columns
+    masked = torch.randn(1, column + 500, device=DEVICE)
+    masked[0, column] = float("-inf")
+    for x in (short, masked):
+        token = sampling.sample_rows(x, temperature, seeds, positions)
+        assert torch.equal(token, sample_rows_reference(x, temperature, seeds, positions))
+        assert token.item() < x.shape[1] and x[0, token.item()] > float("-inf")
+
+
 def test_sample_rows_reference_draws_from_softmax():
     """The reference (which the kernel matches) draws from softmax(logits / T): 20,000 draws of a 6-way
     distribution, each frequency within 5 standard deviations; one (seed, position) always draws the same token,

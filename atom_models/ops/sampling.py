@@ -57,10 +57,12 @@ def philox_bits(seeds: Tensor, positions: Tensor, n_cols: int) -> Tensor:
 
 @register_impl("sample_rows", "torch")
 def sample_rows_reference(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
-    """The kernel's arithmetic in torch: a uniform in (0, 1) from the top 24 bits, E = -log(u), and the division
-    rounded to nearest (the kernel's `div_rn`), so both draw the same token but for last-bit differences of log."""
+    """The kernel's arithmetic in torch: a uniform in (0, 1) from the top 23 bits, E = -log(u), and the division
+    rounded to nearest (the kernel's `div_rn`), so both draw the same token but for last-bit differences of log.
+    23 bits, not 24: (2^24 - 1 + 0.5) * 2^-24 rounds to 1.0 in fp32, whose E = 0 gives a score of +inf (NaN at a
+    -inf logit), a token drawn whatever its probability."""
     x = logits.float()
     t = temperature.float().unsqueeze(1)
-    uniform = ((philox_bits(seeds, positions, x.shape[1]) >> 8).float() + 0.5) * 2.0**-24
+    uniform = ((philox_bits(seeds, positions, x.shape[1]) >> 9).float() + 0.5) * 2.0**-23
     scores = x / torch.where(t > 0, t, 1.0) - torch.log(-torch.log(uniform))
     return torch.where(t > 0, scores, x).argmax(dim=-1)

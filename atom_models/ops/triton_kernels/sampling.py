@@ -72,8 +72,8 @@ def _philox(counter, position, seed):
 
 @triton.jit
 def _score(x, bits, temperature):
-    """logits / T - log(E) of a drawn row, E = -log(u) ~ Exp(1) from a uniform u in (0, 1) of the bits' top 24."""
-    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    """logits / T - log(E) of a drawn row, E = -log(u) ~ Exp(1) from a uniform u in (0, 1) of the bits' top 23."""
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1): see `sample_rows_reference`
     return tl.math.div_rn(x, temperature) - tl.log(-tl.log(uniform))
 
 
