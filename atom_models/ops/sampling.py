@@ -9,7 +9,8 @@ or the eager sampler made it; it needs no generator state and no noise tensor, a
 
 Captured into the decode graphs after the forward, not traced into it, so it is a plain function that dispatches
 to its backend rather than a custom op. torch's own argmax of one 151,936-wide row took 10.7 us on an H100, one
-multiprocessor's worth of reduction; split over the row, 4.3 (see `triton_kernels.sampling`).
+multiprocessor's worth of reduction; split over the row, 4.3 (the argmax kernel this one grew from; see
+`triton_kernels.sampling`).
 """
 
 from __future__ import annotations
