@@ -4,8 +4,10 @@ FULL graphs:
 
 A pure-decode batch of `b` sequences is padded up to the smallest captured size and replays
 that size's graph: every kernel of the forward (compiled pieces and attention alike) in one
-launch, over the runner's persistent input buffers and KV cache, and each row's argmax, which is
-a greedy batch's sample (no launch of its own after the graph). Prefill and mixed batches
+launch, over the runner's persistent input buffers and KV cache, and each row's token drawn from the logits
+(`sample_rows`: the argmax, or a draw by the row's temperature, seed and position, also step inputs), which
+are the batch's samples unless a row's penalties or filters change the logits (no launch of its own after the
+graph). Prefill and mixed batches
 run outside the graphs, or through the PIECEWISE graphs below. All graphs are captured into one
 memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL and
 piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from atom_models.ops.sampling import argmax_rows
+from atom_models.ops.sampling import sample_rows
 from atom_runtime.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[Tensor, Tensor]] = {}  # (logits, each row's argmax)
+        self.outputs: dict[int, tuple[Tensor, Tensor]] = {}  # (logits, each row's drawn token)
         self.pool = pool
 
     def size_for(self, chunks: list[ScheduledChunk]) -> int | None:
@@ -51,17 +53,18 @@ class DecodeGraphs:
         sizes = sorted(sizes or self.sizes, reverse=True)
         for size in tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress, file=sys.stderr):
             args = self.runner._step_args(*self.runner.inputs.load([], pad_seqs_to=size))
-            argmax_rows(self.runner.model.forward(*args))  # warm up: lazy initialisation stays out of the graph
+            draws = self.runner.inputs.draws(size)
+            sample_rows(self.runner.model.forward(*args), *draws)  # warm up: lazy initialisation stays out of the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = self.runner.model.forward(*args)
-                self.outputs[size] = logits, argmax_rows(logits)
+                self.outputs[size] = logits, sample_rows(logits, *draws)
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
     def replay(self, size: int) -> tuple[Tensor, Tensor]:
-        """(logits, each row's argmax): greedy tokens come out of the graph, with no launch of their own."""
+        """(logits, each row's drawn token): tokens come out of the graph, with no launch of their own."""
         self.graphs[size].replay()
         return self.outputs[size]
 

@@ -24,7 +24,7 @@ from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from atom_runtime.sampler import DeviceSample, SampledTokens, Sampler
+from atom_runtime.sampler import DeviceSample, Draws, SampledTokens, Sampler
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.step_inputs import StepInputs
 
@@ -228,10 +228,10 @@ class ModelRunner:
         """
         previous = in_flight.token_ids if in_flight is not None else None
         graph_size = self.graphs.size_for(chunks) if self.graphs is not None else None
-        argmax = None
+        drawn = None
         if graph_size is not None:
             self.inputs.load(chunks, pad_seqs_to=graph_size, in_flight=previous)
-            logits, argmax = self.graphs.replay(graph_size)
+            logits, drawn = self.graphs.replay(graph_size)
         elif self.piecewise is not None:
             tokens = self.piecewise.size_for(sum(c.num_tokens for c in chunks))
             sizes = self.inputs.load(chunks, in_flight=previous, pad_tokens_to=tokens)
@@ -243,9 +243,9 @@ class ModelRunner:
         sampling = [c.seq for c in chunks if c.samples]
         if not sampling:
             return None
-        sample = self.sampler(
-            logits[: len(sampling)], sampling, argmax[: len(sampling)] if argmax is not None else None
-        )
+        n = len(sampling)
+        draws = Draws(*self.inputs.draws(n))
+        sample = self.sampler(logits[:n], sampling, draws, drawn[:n] if drawn is not None else None)
         # Two steps can be in flight on the host side (one queued, one being read): alternate buffers.
         self._turn ^= 1
         if self._sampled_host:

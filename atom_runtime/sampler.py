@@ -1,8 +1,8 @@
 """Batched sampling on the logits' device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-Random rows draw with the exponential-race trick (argmax of p / Exp(1)), which samples from
-p exactly and lets a seeded request draw its noise from its own generator, so its output
-does not depend on what else is in the batch.
+Tokens are drawn by `atom_models.ops.sampling.sample_rows` (an exponential race over counter-based noise keyed by
+each sequence's seed and position): a seeded request's output does not depend on what else is in the batch, nor
+on whether a decode graph drew its token or this sampler did.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from atom_models.ops.sampling import sample_rows
+from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.sequence import Sequence
 
 
@@ -83,22 +85,35 @@ def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+@dataclass
+class Draws:
+    """Each logits row's draw: temperature (0: greedy), seed and the position of the token it samples (device
+    tensors; see `atom_models.ops.sampling.sample_rows`)."""
+
+    temperature: Tensor
+    seeds: Tensor
+    positions: Tensor
+
+
 class Sampler:
-    def __call__(self, logits: Tensor, seqs: list[Sequence], argmax: Tensor | None = None) -> DeviceSample:
-        """Sample one token per row; nothing here waits for the device. `argmax`: each row's argmax of `logits`,
-        where the step computed it already (a decode graph does): greedy rows' tokens, unless penalties or
-        min_tokens change the logits."""
+    def __call__(self, logits: Tensor, seqs: list[Sequence], draws: Draws, drawn: Tensor | None = None) -> DeviceSample:
+        """Sample one token per row; nothing here waits for the device. `drawn`: each row's `sample_rows` over
+        `logits` by `draws`, where the step made it already (a decode graph does): the batch's tokens, unless
+        penalties or min_tokens change the logits or a row filters them (top-k, top-p, min-p)."""
         params = [s.params for s in seqs]
         raw_logits = logits
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
         if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
             logits = self._block_stop_tokens(logits.clone() if logits is raw_logits else logits, seqs)
-        argmax = argmax if logits is raw_logits else None
-        if all(p.greedy for p in params):
-            sampled = argmax if argmax is not None else logits.argmax(dim=-1)
+        if any(p.filters for p in params):
+            sampled = self._filtered_draw(logits, params, draws)
+        elif drawn is not None and logits is raw_logits:
+            sampled = drawn
+        elif all(p.greedy for p in params):  # `sample_rows` at temperature 0, for less host time than a Triton launch
+            sampled = logits.argmax(dim=-1)
         else:
-            sampled = self._sample(logits, seqs, argmax)
+            sampled = sample_rows(logits, draws.temperature, draws.seeds, draws.positions)
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_logprobs is None:
             return DeviceSample(sampled)
@@ -129,31 +144,24 @@ class Sampler:
                 logits[row, _on_device(sorted(seq.stops_on), torch.long, logits.device)] = float("-inf")
         return logits
 
-    def _sample(self, logits: Tensor, seqs: list[Sequence], argmax: Tensor | None) -> Tensor:
-        """Greedy rows take the argmax of the logits as given (`argmax`, if the step computed it), before any
-        filtering: top-p's sort may order equal logits either way, and drop the first of them."""
+    def _filtered_draw(self, logits: Tensor, params: list[SamplingParams], draws: Draws) -> Tensor:
+        """Drawn rows draw from what top-k, top-p and min-p leave of logits / T (as a draw at temperature 1); greedy
+        rows are left unfiltered, so their argmax is the logits' own (top-p's unstable sort could drop the first of
+        equal largest ones)."""
         device = logits.device
-        params = [s.params for s in seqs]
-        if any(p.greedy for p in params) and argmax is None:
-            argmax = logits.argmax(dim=-1)
-        greedy = _on_device([p.greedy for p in params], torch.bool, device)
-        temperature = _on_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-        logits = logits / temperature.unsqueeze(1)
-        if any(p.top_k > 0 for p in params):
-            logits = self._top_k(logits, [p.top_k for p in params])
-        if any(p.top_p < 1.0 for p in params):
-            logits = self._top_p(logits, _on_device([p.top_p for p in params], torch.float32, device))
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = _on_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for row, seq in enumerate(seqs):
-            if seq.generator is not None and not seq.params.greedy:
-                drawn = torch.empty(probs.shape[1], pin_memory=device.type == "cuda")
-                noise[row] = drawn.exponential_(generator=seq.generator).to(device, non_blocking=True)
-        sampled = (probs / noise).argmax(dim=-1)
-        return sampled if argmax is None else torch.where(greedy, argmax, sampled)
+        top_k = [-1 if p.greedy else p.top_k for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+        scaled = logits / torch.where(draws.temperature > 0, draws.temperature, 1.0).unsqueeze(1)
+        if any(k > 0 for k in top_k):
+            scaled = self._top_k(scaled, top_k)
+        if any(p < 1.0 for p in top_p):
+            scaled = self._top_p(scaled, _on_device(top_p, torch.float32, device))
+        if any(p > 0 for p in min_p):  # p < min_p * max(p), as logits: below max(scaled) + log(min_p)
+            floor = scaled.amax(dim=-1, keepdim=True) + _on_device(min_p, torch.float32, device).log().unsqueeze(1)
+            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+        unit = _on_device([0.0 if p.greedy else 1.0 for p in params], torch.float32, device)
+        return sample_rows(scaled, unit, draws.seeds, draws.positions)
 
     @staticmethod
     def _top_k(logits: Tensor, top_k: list[int]) -> Tensor:

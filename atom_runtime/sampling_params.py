@@ -50,6 +50,8 @@ class SamplingParams:
         self.validate()
         # Read once per token by the engine: plain attributes, not properties.
         self.greedy = self.temperature < _GREEDY_EPS
+        self.sample_temperature = 0.0 if self.greedy else self.temperature  # what `sample_rows` takes
+        self.filters = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
         self.needs_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:

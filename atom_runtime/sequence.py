@@ -9,6 +9,7 @@ from collections.abc import Collection
 
 import torch
 
+from atom_models.ops.sampling import SEED_MASK
 from atom_runtime.sampling_params import SamplingParams
 
 # A sampled token still on the device: the step that samples it is in flight.
@@ -46,9 +47,10 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hash of each full block, in order
         self.arrival_time = time.monotonic()
         self.sample_row = -1  # row of its placeholder token in the in-flight step's samples
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + index)
+        # Keys this sequence's draws (`atom_models.ops.sampling.sample_rows`): a request's seed makes them
+        # reproducible; otherwise one from torch's generator, which the engine seeds.
+        seed = params.seed + index if params.seed is not None else int(torch.randint(SEED_MASK, ()))
+        self.sampling_seed = seed & SEED_MASK
         # Stop rules, resolved once rather than per token: it ends for length on reaching max_num_tokens
         # tokens, and on a token of stops_on (stop_token_ids, and EOS unless ignored) past min_num_tokens.
         limit = max_model_len if max_model_len is not None else sys.maxsize

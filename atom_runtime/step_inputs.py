@@ -33,7 +33,14 @@ from atom_runtime.sequence import PLACEHOLDER
 TABLE_GAP_BYTES = 32 << 10
 # Fields a step often repeats (decode batches of one shape: query offsets, logits rows, carry rows), compared with
 # what the device holds; the others (ids, positions, slots, lengths) change every step and are copied unlooked.
-REPEATING_FIELDS = ("query_start_loc", "logits_indices", "carry_to", "carry_from")
+REPEATING_FIELDS = (
+    "query_start_loc",
+    "logits_indices",
+    "carry_to",
+    "carry_from",
+    "temperature",
+    "sample_seeds",
+)
 # What a block-table row holds, as (the block-table list it was written from, how much of it): tables are only
 # ever extended in place or replaced, so the same list at the same length is the same row.
 UNKNOWN = (None, -1)
@@ -66,6 +73,11 @@ class StepInputs:
             "logits_indices": ((max_seqs,), torch.int64),
             "carry_to": ((max_seqs,), torch.int64),  # input positions whose token is still on the device...
             "carry_from": ((max_seqs,), torch.int64),  # ...and their rows in the previous step's samples
+            # Each logits row's draw (see `atom_models.ops.sampling.sample_rows`): temperature (0: greedy), seed,
+            # and the position of the token it samples.
+            "temperature": ((max_seqs,), torch.float32),
+            "sample_seeds": ((max_seqs,), torch.int64),
+            "sample_positions": ((max_seqs,), torch.int32),
         }
         pin = device.type == "cuda"
 
@@ -137,6 +149,7 @@ class StepInputs:
             arrays["seq_lens"][num_seqs:pad_seqs_to] = 1
             qsl[num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
             arrays["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
+            arrays["temperature"][logits : logits + pad] = 0.0  # greedy: any seed, any position
             t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
         self.turn = (self.turn + 1) % len(self.hosts)
         self._upload(host, arrays, t, num_seqs, logits, carried, held)
@@ -193,6 +206,9 @@ class StepInputs:
             arrays["query_start_loc"][i + 1] = t
             if chunk.samples:
                 arrays["logits_indices"][logits] = t - 1
+                arrays["temperature"][logits] = seq.params.sample_temperature
+                arrays["sample_seeds"][logits] = seq.sampling_seed
+                arrays["sample_positions"][logits] = start + n
                 logits += 1
         return t, logits, carried
 
@@ -228,9 +244,15 @@ class StepInputs:
             arrays["carry_to"][:carried] = last[waiting]
             arrays["carry_from"][:carried] = np.array([s.sample_row for s in seqs], dtype=np.int64)[waiting]
         samples = [c.samples for c in chunks]
-        sampled = last if all(samples) else last[np.array(samples, dtype=bool)]
-        arrays["logits_indices"][: len(sampled)] = sampled
-        return t, len(sampled), carried
+        every = all(samples)
+        sampled = last if every else last[np.array(samples, dtype=bool)]
+        n = len(sampled)
+        arrays["logits_indices"][:n] = sampled
+        drawing = seqs if every else [seq for seq, s in zip(seqs, samples, strict=True) if s]
+        arrays["temperature"][:n] = [seq.params.sample_temperature for seq in drawing]
+        arrays["sample_seeds"][:n] = [seq.sampling_seed for seq in drawing]
+        arrays["sample_positions"][:n] = positions[sampled] + 1
+        return t, n, carried
 
     def _upload(
         self,
@@ -252,6 +274,9 @@ class StepInputs:
             "seq_lens": seqs,
             "query_start_loc": seqs + 1,
             "logits_indices": logits,
+            "temperature": logits,
+            "sample_seeds": logits,
+            "sample_positions": logits,
             "carry_to": carried,
             "carry_from": carried,
         }
@@ -282,6 +307,11 @@ class StepInputs:
 
     def _copy(self, host: dict[str, Tensor], name: str, lo: int, hi: int) -> None:
         self.gpu[name][lo:hi].copy_(host[name][lo:hi], non_blocking=True)
+
+    def draws(self, logits: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(temperature, seeds, positions) of the first logits rows' draws, on the device (`sample_rows`' inputs)."""
+        g = self.gpu
+        return g["temperature"][:logits], g["sample_seeds"][:logits], g["sample_positions"][:logits]
 
     def views(self, tokens: int, seqs: int, logits: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """(input_ids, positions, metadata, logits_indices) over the first rows of the device buffers."""

@@ -9,7 +9,9 @@ paged cache (block_size 16, blocks scattered); SDPA gets contiguous unpaged K/V.
     over enough independent caches that no replay is served from L2; with --fp8-kv also from an FP8 cache
     (per-tensor scales, as `--kv-cache-dtype fp8` serves) and one with a scale per token and head
     (`fp8_per_token_head`), whose TB/s count their one-byte entries (not the inline scales);
-(3) device-to-device copy bandwidth (bytes read + written), the ceiling for (2) and for the row kernels.
+(3) device-to-device copy bandwidth (bytes read + written), the ceiling for (2) and for the row kernels;
+(4) `sample_rows` over Qwen3's 151,936-wide fp32 logits, greedy and drawn, as CUDA-graph replays, against
+    torch's argmax and torch's draw (softmax of logits / T, exponential noise, argmax of the ratio).
 Times are medians of triton.testing.do_bench on random data. --sweep also times other tile configs.
 """
 
@@ -37,7 +39,7 @@ from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.attention import INLINE_SCALE_DTYPE, inline_scale_cache_shape
 from atom_models.ops.quant import FP8_DTYPE, FP8_MAX
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq
-from atom_models.ops.triton_kernels import activation, attention, norm, rotary_cache
+from atom_models.ops.triton_kernels import activation, attention, norm, rotary_cache, sampling
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -236,6 +238,38 @@ def bench_row_kernels(copy_tbps: float) -> list[dict]:
     return rows
 
 
+def torch_draw(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The draw as torch ops (the sampler's before `sample_rows`): softmax, exponential noise, argmax of the ratio."""
+    probs = (logits / temperature.unsqueeze(1)).softmax(dim=-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def bench_sample(copy_tbps: float, vocab: int = 151_936) -> list[dict]:
+    """`sample_rows` per batch: greedy (torch's argmax beside it) and drawn at T = 0.8 (torch's draw beside it)."""
+    rows = []
+    for batch in (1, 8, 64, 256):
+        logits = torch.randn(batch, vocab, device="cuda") * 4
+        seeds = torch.arange(batch, device="cuda") + 12345
+        positions = torch.full((batch,), 400, dtype=torch.int32, device="cuda")
+        for temperature in (0.0, 0.8):
+            t = torch.full((batch,), temperature, device="cuda")
+
+            reference = partial(logits.argmax, dim=-1) if temperature == 0 else partial(torch_draw, logits, t)
+            ms = graph_ms([partial(sampling.sample_rows, logits, t, seeds, positions)])
+            tbps = logits.numel() * 4 / ms / 1e9
+            rows.append(
+                dict(
+                    case=f"sample b{batch} T{temperature}",
+                    kernel="ours",
+                    ms=ms,
+                    tbps=tbps,
+                    of_copy=tbps / copy_tbps,
+                    torch_reference_ms=graph_ms([reference]),
+                )
+            )
+    return rows
+
+
 def prefill_sweep(base: attention.AttentionConfig) -> list[attention.AttentionConfig]:
     """The default first, then other prefill tiles (the fields decode-only launches ignore)."""
     tiles = [(128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (256, 32, 8, 3), (256, 128, 8, 3), (256, 64, 8, 4)]
@@ -266,6 +300,8 @@ def print_rows(rows: list[dict]) -> None:
         tbps = f"{r['tbps']:.2f}" if "tbps" in r else ""
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
         config = ",".join(str(v) for v in r["config"].values()) if "config" in r else ""
+        if "torch_reference_ms" in r:
+            config = f"torch reference {r['torch_reference_ms']:.4f} ms"
         print(f"{r['case']:<30}{r['kernel']:<28}{r['ms']:>9.4f}{tflops:>9}{tbps:>7}{err:>9}  {config}", flush=True)
 
 
@@ -273,7 +309,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
-    parser.add_argument("--only", choices=["prefill", "decode", "rows"], help="one group of cases")
+    parser.add_argument("--only", choices=["prefill", "decode", "rows", "sample"], help="one group of cases")
     parser.add_argument("--fp8-kv", action="store_true", help="decode also from an FP8 cache")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -293,6 +329,7 @@ def main() -> None:
         ],
         "decode": [],
         "rows": [partial(bench_row_kernels, copy_tbps)],
+        "sample": [partial(bench_sample, copy_tbps)],
     }
     bench_decode_kv = partial(bench_decode, fp8_kv=args.fp8_kv)
     gen = torch.Generator().manual_seed(1)

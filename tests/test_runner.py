@@ -69,15 +69,20 @@ def test_capture_sizes_follow_config():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_decode_equals_eager(tiny_llama):
+    """Greedy and seeded draws alike: a decode graph draws the tokens the eager sampler does (top-p rows send
+    their whole batch through the sampler's filtering path)."""
     prompts = ["Hello", "The quick brown fox jumps", "a b c"] * 3
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    drawn = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    filtered = [*drawn[:-1], SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)]
     graphed = LLM(tiny_llama, device="cuda", cudagraph_capture_sizes=[1, 2, 4, 8, 16])
     eager = LLM(tiny_llama, device="cuda", enforce_eager=True)
     try:
         assert graphed.engine.core.runner.graphs is not None
-        assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [
-            o.outputs[0].token_ids for o in eager.generate(prompts, params)
-        ]
+        for params in (greedy, drawn, filtered):
+            assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [
+                o.outputs[0].token_ids for o in eager.generate(prompts, params)
+            ]
     finally:
         graphed.shutdown()
         eager.shutdown()
@@ -242,9 +247,10 @@ def test_step_inputs_copy_only_what_the_device_lacks():
 
     step([ScheduledChunk(seq, 0, len(seq.token_ids)) for seq in seqs])  # prefill
     names, tables = step([decode(seq) for seq in seqs])
-    assert names == {"input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices", "query_start_loc"}
-    names, tables = step([decode(seq) for seq in seqs])  # the same batch shape: offsets and logits rows held
-    assert names == {"input_ids", "positions", "slot_mapping", "seq_lens"} and tables == []
+    every_step = {"input_ids", "positions", "slot_mapping", "seq_lens", "sample_positions"}
+    assert names == every_step | {"logits_indices", "query_start_loc"}
+    names, tables = step([decode(seq) for seq in seqs])  # the same batch shape: offsets, logits rows, draws held
+    assert names == every_step and tables == []
     seqs[1].block_table.append(11)  # one table grows: its row alone
     assert step([decode(seq) for seq in seqs])[1] == [(1, 2)]
     seqs[0].block_table = [30, 31, 32]  # one is replaced, and the last sequence leaves (padding takes its row)
@@ -293,7 +299,12 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
     inputs.gpu = {name: torch.full_like(t, -7) for name, t in inputs.hosts[0].items()}
     blocks = itertools.count(1000)
     seqs = [
-        Sequence(f"s{i}", 0, [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))], SamplingParams())
+        Sequence(
+            f"s{i}",
+            0,
+            [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))],
+            SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0])),
+        )
         for i in range(60)
     ]
     computed = dict.fromkeys(seqs, 0)
@@ -353,35 +364,69 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
             assert device["slot_mapping"][len(ids) : len(ids) + padded - len(chunks)].eq(-1).all()
         sampled = [starts[row + 1] - 1 for row, chunk in enumerate(chunks) if chunk.samples]
         assert device["logits_indices"][: len(sampled)].tolist() == sampled
+        drawing = [chunk for chunk in chunks if chunk.samples]
+        temperature, seeds, draw_positions = inputs.draws(len(drawing))
+        assert temperature.tolist() == [c.seq.params.sample_temperature for c in drawing]
+        assert seeds.tolist() == [c.seq.sampling_seed for c in drawing]
+        assert draw_positions.tolist() == [c.start + c.num_tokens for c in drawing]
+        if pad_seqs:  # padding's logits rows: greedy
+            padding = min(pad_seqs, max_seqs) - len(chunks)
+            assert not device["temperature"][len(drawing) : len(drawing) + padding].any()
         for seq, (last, token) in known.items():
             seq.token_ids[last] = token
         for chunk in chunks:
             computed[chunk.seq] = chunk.start + chunk.num_tokens
 
 
-def test_sampler_takes_a_steps_argmax_only_over_unchanged_logits():
-    """A decode graph's argmax is a greedy batch's sample, unless penalties or min_tokens changed the logits."""
-    from atom_runtime.sampler import Sampler
+def sample(logits: torch.Tensor, seqs: list[Sequence], drawn: torch.Tensor | None = None, position: int = 1):
+    from atom_runtime.sampler import Draws, Sampler
 
+    draws = Draws(
+        torch.tensor([s.params.sample_temperature for s in seqs]),
+        torch.tensor([s.sampling_seed for s in seqs]),
+        torch.full((len(seqs),), position, dtype=torch.int32),
+    )
+    return Sampler()(logits, seqs, draws, drawn).token_ids.tolist()
+
+
+def test_sampler_takes_a_steps_draws_only_over_unchanged_unfiltered_logits():
+    """A decode graph's tokens are the batch's samples, unless penalties or min_tokens changed the logits or a row
+    filters them."""
     logits = torch.tensor([[0.0, 3.0, 2.0], [2.0, 0.0, 1.0]])
     given = torch.tensor([0, 1])  # not the argmax: shows where the sampler's answer came from
     plain = [Sequence(str(i), 0, [1], SamplingParams(temperature=0)) for i in range(2)]
-    assert Sampler()(logits, plain, given).token_ids.tolist() == [0, 1]
-    assert Sampler()(logits, plain).token_ids.tolist() == [1, 0]
+    assert sample(logits, plain, given) == [0, 1]
+    assert sample(logits, plain) == [1, 0]
+    hot = [Sequence(str(i), 0, [1], SamplingParams(temperature=1.0)) for i in range(2)]
+    assert sample(logits, hot, given) == [0, 1]
     penalised = [Sequence(str(i), 0, [1], SamplingParams(temperature=0, repetition_penalty=2.0)) for i in range(2)]
-    assert Sampler()(logits, penalised, given).token_ids.tolist() == [2, 0]  # token 1's 3 halved: recomputed
+    assert sample(logits, penalised, given) == [2, 0]  # token 1's 3 halved: recomputed
     mixed = [plain[0], Sequence("s", 0, [1], SamplingParams(temperature=1.0, top_k=1))]  # top-k 1: its argmax
-    assert Sampler()(logits, mixed, given).token_ids.tolist() == [0, 0]
+    assert sample(logits, mixed, given) == [1, 0]
 
 
 def test_greedy_rows_of_a_sampled_batch_take_the_first_of_equal_largest_logits():
     """As torch.argmax and the decode graphs do, whatever top-p's (unstable) sort does with the ties."""
-    from atom_runtime.sampler import Sampler
-
     logits = torch.zeros(2, 64)
     logits[0, [5, 9, 30]] = 4.0
     rows = [
         Sequence("greedy", 0, [1], SamplingParams(temperature=0, top_p=0.2)),
-        Sequence("random", 0, [1], SamplingParams(temperature=1.0)),
+        Sequence("random", 0, [1], SamplingParams(temperature=1.0, top_p=0.9)),
     ]
-    assert all(Sampler()(logits, rows).token_ids[0] == 5 for _ in range(20))
+    assert all(sample(logits, rows, position=p)[0] == 5 for p in range(20))
+
+
+def test_a_seeded_draw_depends_on_its_seed_and_position_alone():
+    """Not on the rows around it, nor on whether a filter sent the batch through the filtering path (a top-k that
+    keeps every token); another position draws anew."""
+    logits = torch.randn(3, 500)
+    params = SamplingParams(temperature=0.9, seed=11)
+    seeded = Sequence("seeded", 0, [1], params)
+    others = [Sequence(str(i), 0, [1], SamplingParams(temperature=1.3)) for i in range(2)]
+    alone = sample(logits[1:2], [seeded], position=40)
+    assert sample(logits, [others[0], seeded, others[1]], position=40)[1] == alone[0]
+    keep_all = Sequence("filtered", 0, [1], SamplingParams(temperature=1.0, top_k=500))
+    assert sample(logits, [keep_all, seeded, others[1]], position=40)[1] == alone[0]
+    again = Sequence("seeded", 0, [1], SamplingParams(temperature=0.9, seed=11))
+    assert sample(logits[1:2], [again], position=40) == alone
+    assert [sample(logits[1:2], [seeded], position=p)[0] for p in range(41, 49)] != alone * 8

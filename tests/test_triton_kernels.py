@@ -41,7 +41,7 @@ from atom_models.ops.quant import (
     silu_and_mul_quant_fp8_reference,
 )
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_embedding_reference
-from atom_models.ops.sampling import argmax_rows_reference
+from atom_models.ops.sampling import sample_rows_reference
 
 triton = pytest.importorskip("triton")
 from atom_models.ops.triton_kernels import (  # noqa: E402
@@ -170,17 +170,81 @@ def test_silu_and_mul(shape):
         assert_fp8_close(activation.silu_and_mul_quant_fp8(x, group), silu_and_mul_quant_fp8_reference(x, group), group)
 
 
+def draws(rows: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sample_rows' per-row inputs: one temperature, seeds from 2^40 up, positions 1000 on."""
+    return (
+        torch.full((rows,), temperature, device=DEVICE),
+        torch.arange(rows, device=DEVICE) + 2**40,
+        torch.arange(rows, dtype=torch.int32, device=DEVICE) + 1000,
+    )
+
+
 @pytest.mark.parametrize("rows,cols", [(1, 5000), (6, 4099), (3, 2048), (2, 7)] + ([(37, 151936)] if CUDA else []))
-def test_argmax_rows(rows, cols):
-    """Against torch.argmax: ties go to the first (also across slices), a NaN wins, an all -inf row gives 0."""
+def test_sample_rows_greedy(rows, cols):
+    """At temperature 0, torch.argmax: ties go to the first (also across slices), a NaN wins, an all -inf row
+    gives 0."""
     x = torch.randn(rows, cols, device=DEVICE)
     x[0, cols // 2], x[0, cols - 1] = 50.0, 50.0  # equal largest values, in different slices where there are two
     if rows > 2:
         x[1, cols - 1] = float("nan")  # after the largest value: still the answer
         x[2] = float("-inf")
     x[-1, : cols // 3] = x[-1].max() + 1  # a run of equal largest values at the start
-    assert torch.equal(sampling.argmax_rows(x), argmax_rows_reference(x))
-    assert torch.equal(sampling.argmax_rows(x[:, : cols - 1]), argmax_rows_reference(x[:, : cols - 1]))  # strided
+    assert torch.equal(sampling.sample_rows(x, *draws(rows, 0.0)), x.argmax(-1))
+    strided = x[:, : cols - 1]
+    assert torch.equal(sampling.sample_rows(strided, *draws(rows, 0.0)), strided.argmax(-1))
+
+
+@pytest.mark.parametrize("rows,cols", [(5, 5000), (3, 2048), (4, 7)] + ([(37, 151936)] if CUDA else []))
+def test_sample_rows_draws(rows, cols):
+    """Drawn rows: the reference's token (the same Philox noise, the same division), strided rows too, never a
+    -inf logit; greedy rows of the same launch keep their argmax."""
+    x = torch.randn(rows, cols, device=DEVICE) * 3
+    x[0, 1::2] = float("-inf")  # half the vocabulary out: never drawn
+    temperature, seeds, positions = draws(rows, 0.7)
+    temperature[-1] = 0.0
+    tokens = sampling.sample_rows(x, temperature, seeds, positions)
+    assert torch.equal(tokens, sample_rows_reference(x, temperature, seeds, positions))
+    assert tokens[0] % 2 == 0 and tokens[-1] == x[-1].argmax()
+    strided = x[:, : cols - 1]
+    assert torch.equal(
+        sampling.sample_rows(strided, temperature, seeds, positions),
+        sample_rows_reference(strided, temperature, seeds, positions),
+    )
+
+
+@pytest.mark.parametrize("seed,position,column", [(35266, 7, 1415), (1, 26, 1058)])
+def test_sample_rows_noise_of_all_ones_stays_finite(seed, position, column):
+    """Entries whose noise bits are all ones but the last few (found by search; 0xffffffcc, 0xffffff9d): a uniform of
+    24 bits rounded them to 1.0 (a score of +inf, NaN at a -inf logit), which drew columns past the row (the next
+    step's embedding read out of bounds) and -inf logits. Past the row, or at -inf, such an entry is never drawn."""
+    temperature = torch.tensor([0.8], device=DEVICE)
+    seeds, positions = torch.tensor([seed], device=DEVICE), torch.tensor([position], dtype=torch.int32, device=DEVICE)
+    short = torch.randn(1, column - 100, device=DEVICE)  # the entry lies in the slice's masked columns
+    masked = torch.randn(1, column + 500, device=DEVICE)
+    masked[0, column] = float("-inf")
+    for x in (short, masked):
+        token = sampling.sample_rows(x, temperature, seeds, positions)
+        assert torch.equal(token, sample_rows_reference(x, temperature, seeds, positions))
+        assert token.item() < x.shape[1] and x[0, token.item()] > float("-inf")
+
+
+def test_sample_rows_reference_draws_from_softmax():
+    """The reference (which the kernel matches) draws from softmax(logits / T): 20,000 draws of a 6-way
+    distribution, each frequency within 5 standard deviations; one (seed, position) always draws the same token,
+    and the draws of neighbouring seeds or positions are not the same."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, float("-inf")])
+    n, temperature = 20_000, 0.8
+    rows = logits.expand(n, -1)
+    seeds = torch.arange(n) * 7919 + 3
+    tokens = sample_rows_reference(rows, torch.full((n,), temperature), seeds, torch.full((n,), 17))
+    frequencies = torch.bincount(tokens, minlength=6).double() / n
+    expected = (logits / temperature).double().softmax(-1)
+    assert frequencies[5] == 0
+    assert ((frequencies - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt()).all(), frequencies
+    again = sample_rows_reference(rows[:64], torch.full((64,), temperature), seeds[:64], torch.full((64,), 17))
+    assert torch.equal(again, tokens[:64])
+    moved = sample_rows_reference(rows[:64], torch.full((64,), temperature), seeds[:64], torch.full((64,), 18))
+    assert not torch.equal(moved, tokens[:64])
 
 
 @pytest.mark.parametrize("group", [0, 16, 128])

@@ -1,7 +1,7 @@
 """Our own Triton kernels (attention, fused cache writes, ...) compiled at export and shipped.
 
 The compiled pieces carry Inductor's kernels inside them; the ops that run between pieces
-call atom's Triton kernels, which Triton compiles on first use (and the decode graphs' argmax
+call atom's Triton kernels, which Triton compiles on first use (and the decode graphs' `sample_rows`
 after them). At export we run the artifact as serving will (its top graph over the compiled
 pieces, whose output strides the kernels specialise on) over steps shaped like the runtime's
 (decode batches, prefill chunks, mixed), with `TRITON_CACHE_DIR` pointing into the artifact,
@@ -28,7 +28,7 @@ from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
 from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
-from atom_models.ops.sampling import argmax_rows
+from atom_models.ops.sampling import sample_rows
 
 TRITON_CACHE = "triton_cache"
 BLOCK_SIZE = 16  # the runtime's default block size
@@ -153,8 +153,10 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
                 (logits,) = forward(
                     *graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices)
                 )
-                if len(step):  # (a short max_model_len can empty a step)
-                    argmax_rows(logits)  # the decode graphs', over the logits as the LM head gives them
+                if len(step):  # (a short max_model_len can empty a step); the decode graphs' draws, over the logits
+                    rows = logits.shape[0]  # as the LM head gives them, with the step inputs' dtypes
+                    draws = torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device)
+                    sample_rows(logits, *draws, torch.zeros(rows, dtype=torch.int32, device=device))
         torch.cuda.synchronize()
 
 

@@ -2,7 +2,7 @@
 
 Importing this package registers the ops. Each has a fake implementation (so it traces),
 a plain-torch reference (the ground truth), and Triton/AITER implementations where a
-GPU backend provides one (see `backend`). `sampling.argmax_rows`, which the decode CUDA
+GPU backend provides one (see `backend`). `sampling.sample_rows`, which the decode CUDA
 graphs capture after the forward and nothing traces, is a plain function on the same backends.
 """
 

@@ -1,9 +1,12 @@
-"""`argmax_rows` as one launch: each row is split into BLOCK-wide slices, each slice's program finds its largest
-value (the first of equal ones, NaN first of all), and the slice that arrives last picks among the partials.
+"""`sample_rows` as one launch: each row is split into BLOCK-wide slices, each slice's program finds its largest
+score (the logits, or for a drawn row logits / T - log(E) with Philox noise; the first of equal ones, NaN first
+of all), and the slice that arrives last picks among the partials.
 
-H100, 151,936-wide fp32 rows, CUDA-graph replays (2026-11-26): 1 row 4.3 us against torch's 10.7, 8 rows 6.7
-against 13.1, 64 rows 20.5 against 31.8, 256 rows 58.6 against 73.3 (2.7 TB/s). Slices of 2048 with 4 warps led at
-1-8 rows; 4096 and 8192 wide, or 8 warps, were within 2 us everywhere else.
+H100, 151,936-wide fp32 rows, CUDA-graph replays (2026-11-26). The argmax kernel this grew from: 1 row 4.3 us against
+torch's 10.7, 8 rows 6.7 against 13.1, 64 rows 20.5 against 31.8, 256 rows 58.6 against 73.3 (2.7 TB/s); slices of
+2048 with 4 warps led at 1-8 rows, 4096 and 8192 wide, or 8 warps, were within 2 us everywhere else. With the
+noise, four argmax reductions a slice (`bench_kernels.py --only sample`): greedy 9.3 us at 1 row, 124 at 256; drawn
+12.9 and 224 against torch's five passes' 67.8 and 661. The single reduction of today's slices is not timed yet.
 """
 
 from __future__ import annotations
@@ -14,25 +17,74 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
+from atom_models.ops.sampling import (
+    NOISE_QUARTER,
+    PHILOX_KEY_A,
+    PHILOX_KEY_B,
+    PHILOX_ROUND_A,
+    PHILOX_ROUND_B,
+)
 from atom_models.ops.triton_kernels.common import last_to_arrive, ticket_counters
 
-BLOCK = 2048
+BLOCK = 4 * NOISE_QUARTER  # a slice: one noise block
+# As constexpr globals, so the kernel sees the reference's constants.
+KEY_A, KEY_B = tl.constexpr(PHILOX_KEY_A), tl.constexpr(PHILOX_KEY_B)
+ROUND_A, ROUND_B = tl.constexpr(PHILOX_ROUND_A), tl.constexpr(PHILOX_ROUND_B)
 
 
 @triton.jit
-def _largest(values, offsets):
-    """(value, offset) of the largest of `values`: the first of equal ones, a NaN before anything."""
-    nan = (values != values).to(tl.int32)
-    any_nan, first_nan = tl.max(nan, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    _, first_largest = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    i = tl.where(any_nan > 0, first_nan, first_largest)
-    at = tl.arange(0, values.shape[0]) == i
-    return tl.sum(tl.where(at, values, 0.0), axis=0), tl.sum(tl.where(at, offsets, 0), axis=0)
+def _pick(value_a, index_a, value_b, index_b):
+    """The larger of two (value, index) pairs as torch.argmax ranks them: a NaN above anything, the smaller index
+    among equal values (or NaNs)."""
+    nan_a, nan_b = value_a != value_a, value_b != value_b
+    earlier = index_b < index_a
+    take_b = tl.where(nan_a | nan_b, nan_b & (~nan_a | earlier), (value_b > value_a) | ((value_b == value_a) & earlier))
+    return tl.where(take_b, value_b, value_a), tl.where(take_b, index_b, index_a)
 
 
 @triton.jit
-def _argmax_kernel(
+def _largest(values, indices):
+    """(value, index) of the largest of `values` (see `_pick`), in one reduction."""
+    return tl.reduce((values, indices), 0, _pick)
+
+
+@triton.jit
+def _philox(counter, position, seed):
+    """Philox4x32-10 of counters (counter, position, 0, 0) under the 64-bit key `seed`: four uint32 words, as
+    `atom_models.ops.sampling.philox_bits` computes them (spelled out rather than `tl.randint4x`, whose counter
+    layout is Triton's to change)."""
+    c0 = counter.to(tl.uint32)
+    c1 = tl.zeros_like(c0) + position.to(tl.uint32)  # a non-negative int32
+    c2 = tl.zeros_like(c0)
+    c3 = tl.zeros_like(c0)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    round_a = tl.full([], ROUND_A, tl.uint32)
+    round_b = tl.full([], ROUND_B, tl.uint32)
+    for _ in tl.static_range(10):
+        a0, b2 = c0, c2
+        c0 = tl.math.umulhi(round_b, b2) ^ c1 ^ k0
+        c2 = tl.math.umulhi(round_a, a0) ^ c3 ^ k1
+        c1 = b2 * round_b
+        c3 = a0 * round_a
+        k0 = k0 + tl.full([], KEY_A, tl.uint32)
+        k1 = k1 + tl.full([], KEY_B, tl.uint32)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _score(x, bits, temperature):
+    """logits / T - log(E) of a drawn row, E = -log(u) ~ Exp(1) from a uniform u in (0, 1) of the bits' top 23."""
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1): see `sample_rows_reference`
+    return tl.math.div_rn(x, temperature) - tl.log(-tl.log(uniform))
+
+
+@triton.jit
+def _sample_kernel(
     x_ptr,
+    temperature_ptr,
+    seed_ptr,
+    position_ptr,
     part_value_ptr,
     part_index_ptr,
     out_ptr,
@@ -41,13 +93,32 @@ def _argmax_kernel(
     stride_row,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
-    BLOCK: tl.constexpr,
+    QUARTER: tl.constexpr,
 ):
+    """Slice `split` of a row is a noise block (see `atom_models.ops.sampling.philox_bits`): four quarters, each the
+    words of one Philox output of the block's QUARTER counters, so the noise takes a quarter of the Philox rounds
+    and registers it would a word at a time."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    cols = split * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < n_cols, other=float("-inf"))
-    value, index = _largest(x.to(tl.float32), cols)
+    offs = tl.arange(0, QUARTER)
+    cols = split * 4 * QUARTER + offs
+    x_row = x_ptr + row.to(tl.int64) * stride_row
+    x0 = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    x1 = tl.load(x_row + cols + QUARTER, mask=cols + QUARTER < n_cols, other=float("-inf")).to(tl.float32)
+    x2 = tl.load(x_row + cols + 2 * QUARTER, mask=cols + 2 * QUARTER < n_cols, other=float("-inf")).to(tl.float32)
+    x3 = tl.load(x_row + cols + 3 * QUARTER, mask=cols + 3 * QUARTER < n_cols, other=float("-inf")).to(tl.float32)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:  # a draw: the exponential race (see `atom_models.ops.sampling`)
+        position = tl.load(position_ptr + row)
+        bits0, bits1, bits2, bits3 = _philox(split * QUARTER + offs, position, tl.load(seed_ptr + row))
+        x0 = _score(x0, bits0, temperature)
+        x1 = _score(x1, bits1, temperature)
+        x2 = _score(x2, bits2, temperature)
+        x3 = _score(x3, bits3, temperature)
+    # the quarters entry by entry, then one reduction over the slice
+    value, index = _pick(x0, cols, x1, cols + QUARTER)
+    value, index = _pick(value, index, x2, cols + 2 * QUARTER)
+    value, index = _largest(*_pick(value, index, x3, cols + 3 * QUARTER))
     if SPLITS == 1:
         tl.store(out_ptr + row, index.to(tl.int64))
     else:
@@ -63,30 +134,35 @@ def _argmax_kernel(
             tl.store(out_ptr + row, index.to(tl.int64))
 
 
-@register_impl("argmax_rows", "triton")
-def argmax_rows(x: Tensor) -> Tensor:
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"argmax_rows takes rows contiguous along the last dimension, got shape {tuple(x.shape)}")
-    rows, n_cols = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+@register_impl("sample_rows", "triton")
+def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"sample_rows takes rows contiguous along the last dimension, got shape {tuple(logits.shape)}")
+    rows, n_cols = logits.shape
+    if not temperature.shape == seeds.shape == positions.shape == (rows,):
+        raise ValueError(f"sample_rows takes a temperature, seed and position for each of the {rows} rows")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     if n_cols == 0:
-        raise ValueError("argmax_rows of empty rows")
+        raise ValueError("sample_rows of empty rows")
     splits = triton.cdiv(n_cols, BLOCK)
-    part_value = torch.empty((rows, splits), dtype=torch.float32, device=x.device)
-    part_index = torch.empty((rows, splits), dtype=torch.int32, device=x.device)
-    _argmax_kernel[(rows, splits)](
-        x,
+    part_value = torch.empty((rows, splits), dtype=torch.float32, device=logits.device)
+    part_index = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
+    _sample_kernel[(rows, splits)](
+        logits,
+        temperature,
+        seeds,
+        positions,
         part_value,
         part_index,
         out,
-        ticket_counters(x.device, rows),
+        ticket_counters(logits.device, rows),
         n_cols,
-        x.stride(0),
+        logits.stride(0),
         SPLITS=splits,
         SPLITS_P=triton.next_power_of_2(splits),
-        BLOCK=BLOCK,
+        QUARTER=NOISE_QUARTER,
         num_warps=4,
     )
     return out
