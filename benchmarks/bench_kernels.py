@@ -280,12 +280,21 @@ def decode_sweep(base: attention.AttentionConfig) -> list[attention.AttentionCon
     """The default first, then other decode tiles, programs a multiprocessor (splits; for any batch) and warps."""
     variants = [(128, 4, 4), (128, 2, 4), (128, 1, 4), (64, 2, 4), (64, 1, 4), (32, 1, 4), (64, 1, 2)]
     variants.append((base.decode_block_n, base.decode_waves, 8))
-    return [base] + [
-        replace(
-            base, decode_block_n=n, unsplit_block_n=n, decode_waves=waves, lone_decode_waves=waves, decode_warps=warps
-        )
-        for n, waves, warps in variants
-    ]
+    return (
+        [base]
+        + [
+            replace(
+                base,
+                decode_block_n=n,
+                unsplit_block_n=n,
+                decode_waves=waves,
+                lone_decode_waves=waves,
+                decode_warps=warps,
+            )
+            for n, waves, warps in variants
+        ]
+        + [replace(base, lone_decode_stages=stages) for stages in (1, 2, 3) if stages != base.lone_decode_stages]
+    )
 
 
 HEADER = f"{'case':<30}{'kernel':<28}{'ms':>9}{'TFLOP/s':>9}{'TB/s':>7}{'rel_err':>9}  config"

@@ -173,13 +173,16 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     pointers = {"q_ptr": BF16, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": BF16, "tickets_ptr": I32}
     pointers |= {"block_tables_ptr": I32, "seq_lens_ptr": I32, "query_start_loc_ptr": I32}
     config = attention.default_config(128)
-    for decode_only in (False, True):
+    # mixed launches, decode-only ones of a batch, and of a lone sequence (split by the tile, its own stages)
+    for decode_only, lone in ((False, False), (True, False), (True, True)):
         tiles = {"BLOCK_Q": config.block_m // 4, "BLOCK_N": config.block_n, "DECODE_ROWS": 16, "BLOCK_SIZE": 16}
         constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": attention.MAX_SPLITS}
-        constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "DECODE_SPLIT_KEYS": config.split_keys}
+        split_keys = config.decode_block_n if lone else config.split_keys
+        constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "DECODE_SPLIT_KEYS": split_keys}
         constexprs |= {"KV_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline, "DECODE_ONLY": decode_only}
         warps = config.decode_warps if decode_only else config.num_warps
-        ptx = build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=config.num_stages)
+        stages = config.lone_decode_stages if lone else config.num_stages
+        ptx = build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
         # decode-only: the first key/value tile is asked of L2 before the wait (a hint no test could see fail)
         prefetched = ptx.find("prefetch.global.L2")
         assert (0 <= prefetched < ptx.find("griddepcontrol.wait")) == decode_only

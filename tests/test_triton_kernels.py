@@ -643,6 +643,8 @@ def test_paged_attention_gpu_shapes(q_heads, kv_heads, head_dim):
     lens = [(300, 300), (1, 1500), (77, 1100), (1, 33), (1, 4097), (129, 129), (2, 900)]
     check_attention(q_heads, kv_heads, head_dim, 16, lens, padding=5)
     check_attention(q_heads, kv_heads, head_dim, 16, [(1, 1500), (1, 33), (1, 4097), (1, 16)], padding=0)
+    for lone in ([(1, 4097)], [(1, 432)], [(1, 16)]):  # a lone sequence's launch: split by the tile, its own stages
+        check_attention(q_heads, kv_heads, head_dim, 16, lone, padding=0)
     # enough sequences that the launch splits no context: the unsplit variant (its tiles, a merge of one)
     many = [(1, 37 + 61 * i) for i in range(40)]
     check_attention(q_heads, kv_heads, head_dim, 16, many, padding=0)

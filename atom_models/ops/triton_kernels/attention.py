@@ -75,7 +75,9 @@ class AttentionConfig:
     without splitting a context (each program then walks a whole context, many tiles); the decode grid aims at
     `decode_waves` programs per multiprocessor (at most MAX_SPLITS splits a sequence), `lone_decode_waves` for a
     batch of one sequence; `decode_warps` for decode-only launches; in a batch of several sequences a context
-    takes a split for every `split_keys` keys (rounded to whole tiles), up to the launch's splits.
+    takes a split for every `split_keys` keys (rounded to whole tiles), up to the launch's splits;
+    `lone_decode_stages` pipeline stages of a lone sequence's decode launch (split by the tile, each split walks one
+    or two tiles: stages buy no overlap there and cost shared memory and a prologue).
     """
 
     block_m: int
@@ -88,6 +90,7 @@ class AttentionConfig:
     lone_decode_waves: int
     unsplit_block_n: int
     split_keys: int
+    lone_decode_stages: int
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -100,10 +103,13 @@ def default_config(head_dim: int) -> AttentionConfig:
     # the grid (no split), 64-key tiles: batch 64 at 2048 2.75 against 2.62, batch 128-256 even or better; in
     # the model batch 64 2.781 -> 2.494 ms a step with the merge sized to the launch. In a batch, a split every
     # 512 keys (batch 8 at context 432 takes one, no merge: 1.289 -> 1.246 ms a step); a lone sequence split by
-    # 256 or 512 lost (0.936 / 0.963 against 0.879). Larger head dims halve the tiles (unmeasured).
+    # 256 or 512 lost (0.936 / 0.963 against 0.879). A lone sequence's launch in one pipeline stage, not 3
+    # (H100, twelfth session): batch 1 at context 4096 0.0187 -> 0.0153 ms (0.90 -> 1.10 TB/s), at 432 9.5 -> 8.9
+    # us; Qwen3-0.6B's batch-1 graph 0.842 -> 0.834 ms; one stage for batch 8's launch lost (2.10 -> 2.02 TB/s, 1.24
+    # -> 1.27 ms a step: its splits walk several tiles). Larger head dims halve the tiles (unmeasured).
     if head_dim > 128:
-        return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64, 256)
-    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64, 512)
+        return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64, 256, 2)
+    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64, 512, 1)
 
 
 @triton.jit
@@ -826,7 +832,7 @@ def run_paged_attention(
         INLINE_SCALES=inline,
         DECODE_ONLY=decode_only,
         num_warps=config.decode_warps if decode_only else config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.lone_decode_stages if decode_only and num_seqs == 1 else config.num_stages,
         **pdl_launch(q.device),
     )
     return out
