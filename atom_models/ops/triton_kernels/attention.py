@@ -76,8 +76,9 @@ class AttentionConfig:
     `decode_waves` programs per multiprocessor (at most MAX_SPLITS splits a sequence), `lone_decode_waves` for a
     batch of one sequence; `decode_warps` for decode-only launches; in a batch of several sequences a context
     takes a split for every `split_keys` keys (rounded to whole tiles), up to the launch's splits;
-    `lone_decode_stages` pipeline stages of a lone sequence's decode launch (split by the tile, each split walks one
-    or two tiles: stages buy no overlap there and cost shared memory and a prologue).
+    `lone_decode_stages` pipeline stages of a lone sequence's decode launch (split by the tile: up to MAX_SPLITS
+    tiles of context a split walks one tile, where stages buy no overlap and cost shared memory and a prologue;
+    longer contexts, several tiles a split, are unmeasured).
     """
 
     block_m: int
