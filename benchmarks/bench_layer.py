@@ -1,0 +1,106 @@
+"""One decode layer's attention half in CUDA-graph replays: what attention costs between the GEMVs around it.
+
+    python benchmarks/bench_layer.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 432
+
+`bench_kernels.py` times each kernel alone, back to back. In a decode step every kernel is launched early
+(programmatic dependent launch) and waits for the one before, so what a kernel costs depends on its neighbours: the
+twelfth session found a 3-stage decode attention launch losing ~1.2 µs a layer straight after the qkv GEMV, which
+no kernel timed alone shows. Each case runs, 20 times in one graph, the ops the exported graph runs: the qkv
+projection, the RoPE (QK-norm for Qwen3) cache write, paged attention and the o projection (`layer`); the same
+without the cache write (`attention after the GEMV`); the two projections alone (`GEMVs`). µs a layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from bench_common import device_name, git_commit, graph_ms, print_table, write_json
+
+from atom_models.checkpoints import PRESETS
+from atom_models.ops import set_backend
+from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq
+
+BLOCK_SIZE = 16
+REPEATS = 20
+
+
+def layer_cases(preset: dict, batch: int, context: int) -> dict:
+    """The cases' callables over random weights and a paged cache holding `context` tokens a sequence."""
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    q_heads, kv_heads, hidden = preset["num_attention_heads"], preset["num_key_value_heads"], preset["hidden_size"]
+    head_dim = preset.get("head_dim", hidden // q_heads)
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    cache = torch.randn(2, batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim, device=device, dtype=dtype)
+    tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    last = context - 1
+    slots = tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE
+    cos_sin = rope_cos_sin_cache(rope_inv_freq(head_dim, preset.get("rope_theta", 1e4), None), context).to(device)
+    w_qkv = torch.randn((q_heads + 2 * kv_heads) * head_dim, hidden, device=device, dtype=dtype) / hidden**0.5
+    w_o = torch.randn(hidden, q_heads * head_dim, device=device, dtype=dtype) / (q_heads * head_dim) ** 0.5
+    x = torch.randn(batch, hidden, device=device, dtype=dtype)
+    norms = (torch.rand(head_dim, device=device, dtype=dtype) + 0.5,) * 2 if preset["model_type"] == "qwen3" else None
+    scale = head_dim**-0.5
+    ops = torch.ops.atom
+
+    def qkv():
+        q, k, v = ops.linear(x, w_qkv, None).split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        return q.view(batch, q_heads, head_dim), k.view(batch, kv_heads, head_dim), v.view(batch, kv_heads, head_dim)
+
+    def attend(q):
+        return ops.linear(ops.paged_attention(q, cache, tables, seq_lens, query_start_loc, scale).flatten(1), w_o, None)
+
+    def layer():
+        q, k, v = qkv()
+        if norms is None:
+            q = ops.rope_and_cache(positions, q, k, v, cos_sin, cache, slots)
+        else:
+            q = ops.qk_norm_rope_and_cache(positions, q, k, v, *norms, 1e-6, cos_sin, cache, slots)
+        return attend(q)
+
+    def gemvs():
+        return ops.linear(qkv()[0].flatten(1), w_o, None)
+
+    return {"layer_us": layer, "attention_after_gemv_us": lambda: attend(qkv()[0]), "gemvs_us": gemvs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--context", type=int, default=432, help="tokens cached a sequence, the new one included")
+    parser.add_argument("--out", type=Path, default=Path("bench_layer.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_layer needs a CUDA device")
+    if args.context < 1:
+        parser.error(f"--context must be at least 1, got {args.context}")
+    set_backend("triton")
+    rows = []
+    for batch in args.batch_sizes:
+        cases = layer_cases(PRESETS[args.preset], batch, args.context)
+        row = {"batch": batch, "context": args.context}
+        row |= {name: graph_ms([call] * REPEATS) * 1e3 for name, call in cases.items()}
+        row["attention_us"] = row["layer_us"] - row["gemvs_us"]
+        rows.append(row)
+    print_table(
+        f"decode layer, {args.preset} shapes, {device_name()}, µs a layer (graph of {REPEATS})",
+        rows,
+        [
+            ("batch", "batch", "d"),
+            ("context", "context", "d"),
+            ("layer_us", "layer", ".2f"),
+            ("attention_after_gemv_us", "attn after GEMV", ".2f"),
+            ("gemvs_us", "GEMVs", ".2f"),
+            ("attention_us", "layer - GEMVs", ".2f"),
+        ],
+    )
+    write_json(args.out, {"preset": args.preset, "commit": git_commit(), "device": device_name(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
