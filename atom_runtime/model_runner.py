@@ -24,7 +24,7 @@ from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from atom_runtime.sampler import DeviceSample, Draws, SampledTokens, Sampler
+from atom_runtime.sampler import DeviceSample, SampledTokens, Sampler
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.step_inputs import StepInputs
 
@@ -244,8 +244,7 @@ class ModelRunner:
         if not sampling:
             return None
         n = len(sampling)
-        draws = Draws(*self.inputs.draws(n))
-        sample = self.sampler(logits[:n], sampling, draws, drawn[:n] if drawn is not None else None)
+        sample = self.sampler(logits[:n], sampling, self.inputs.draws(n), drawn[:n] if drawn is not None else None)
         # Two steps can be in flight on the host side (one queued, one being read): alternate buffers.
         self._turn ^= 1
         if self._sampled_host:

@@ -8,6 +8,7 @@ on whether a decode graph drew its token or this sampler did.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,7 +32,7 @@ class SampledTokens:
 class DeviceSample:
     """A step's samples still on the device; `to_host` waits for them.
 
-    `token_ids` may be a view of a decode graph's output (its argmax), which the graph's next replay overwrites:
+    `token_ids` may be a view of a decode graph's output (its drawn tokens), which the graph's next replay overwrites:
     what reads it on the device (the copy `start_copy` queues, the next step's carried tokens) is queued before
     that replay, in stream order."""
 
@@ -85,10 +86,9 @@ def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
-@dataclass
-class Draws:
+class Draws(NamedTuple):
     """Each logits row's draw: temperature (0: greedy), seed and the position of the token it samples (device
-    tensors; see `atom_models.ops.sampling.sample_rows`)."""
+    tensors, `atom_models.ops.sampling.sample_rows`' arguments after the logits, in order)."""
 
     temperature: Tensor
     seeds: Tensor
@@ -113,7 +113,7 @@ class Sampler:
         elif all(p.greedy for p in params):  # `sample_rows` at temperature 0, for less host time than a Triton launch
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = sample_rows(logits, draws.temperature, draws.seeds, draws.positions)
+            sampled = sample_rows(logits, *draws)
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_logprobs is None:
             return DeviceSample(sampled)

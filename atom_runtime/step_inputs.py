@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from atom_models.layers import AttentionMetadata
+from atom_runtime.sampler import Draws
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import PLACEHOLDER
 
@@ -308,10 +309,10 @@ class StepInputs:
     def _copy(self, host: dict[str, Tensor], name: str, lo: int, hi: int) -> None:
         self.gpu[name][lo:hi].copy_(host[name][lo:hi], non_blocking=True)
 
-    def draws(self, logits: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(temperature, seeds, positions) of the first logits rows' draws, on the device (`sample_rows`' inputs)."""
+    def draws(self, logits: int) -> Draws:
+        """The first logits rows' draws, on the device."""
         g = self.gpu
-        return g["temperature"][:logits], g["sample_seeds"][:logits], g["sample_positions"][:logits]
+        return Draws(g["temperature"][:logits], g["sample_seeds"][:logits], g["sample_positions"][:logits])
 
     def views(self, tokens: int, seqs: int, logits: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """(input_ids, positions, metadata, logits_indices) over the first rows of the device buffers."""

@@ -253,7 +253,6 @@ def bench_sample(copy_tbps: float, vocab: int = 151_936) -> list[dict]:
         positions = torch.full((batch,), 400, dtype=torch.int32, device="cuda")
         for temperature in (0.0, 0.8):
             t = torch.full((batch,), temperature, device="cuda")
-
             reference = partial(logits.argmax, dim=-1) if temperature == 0 else partial(torch_draw, logits, t)
             ms = graph_ms([partial(sampling.sample_rows, logits, t, seeds, positions)])
             tbps = logits.numel() * 4 / ms / 1e9

@@ -6,7 +6,8 @@ H100, 151,936-wide fp32 rows, CUDA-graph replays (2026-11-26). The argmax kernel
 torch's 10.7, 8 rows 6.7 against 13.1, 64 rows 20.5 against 31.8, 256 rows 58.6 against 73.3 (2.7 TB/s); slices of
 2048 with 4 warps led at 1-8 rows, 4096 and 8192 wide, or 8 warps, were within 2 us everywhere else. With the
 noise, four argmax reductions a slice (`bench_kernels.py --only sample`): greedy 9.3 us at 1 row, 124 at 256; drawn
-12.9 and 224 against torch's five passes' 67.8 and 661. The single reduction of today's slices is not timed yet.
+12.9 and 224 against torch's five passes' 67.8 and 661. Today's single reduction a slice (b0ea425): greedy 7.4 and
+71.2, drawn 10.9 and 157 against 68.4 and 662; in the engine a drawn step costs what a greedy one does.
 """
 
 from __future__ import annotations
