@@ -169,7 +169,11 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
         flags = {"ROPE": True, "QK_NORM": qk_norm, "K_OUT": False, "WRITE_CACHE": True}
         constexprs = {**heads, "BLOCK_SIZE": 16, "IN_DTYPE": tl.bfloat16, "ACT_DTYPE": tl.bfloat16, **flags}
         constexprs |= {"FP8_CACHE": fp8_cache, "HAS_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline}
-        build(rotary_cache._rope_cache_kernel, pointers, constexprs, num_warps=4)
+        for first in (False, True):  # a lone token lets attention launch before its wait
+            rope = constexprs | {"LAUNCH_NEXT_FIRST": first}
+            ptx = build(rotary_cache._rope_cache_kernel, pointers, rope, num_warps=4)
+            launched, waited = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+            assert (0 <= launched < waited) == first and launched >= 0
     pointers = {"q_ptr": BF16, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": BF16, "tickets_ptr": I32}
     pointers |= {"block_tables_ptr": I32, "seq_lens_ptr": I32, "query_start_loc_ptr": I32}
     config = attention.default_config(128)
@@ -182,6 +186,7 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
         constexprs |= {"KV_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline, "DECODE_ONLY": decode_only}
         warps = config.decode_warps if decode_only else config.num_warps
         stages = config.lone_decode_stages if lone else config.num_stages
+        constexprs |= {"DECODE_VALUES_WITH_KEYS": stages == 1}
         ptx = build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
         # decode-only: the first key/value tile is asked of L2 before the wait (a hint no test could see fail)
         prefetched = ptx.find("prefetch.global.L2")
@@ -191,6 +196,7 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     # launches that split no context: their own decode tiles, a merge of one
     for decode_only in (False, True):
         unsplit = constexprs | {"DECODE_BLOCK_N": config.unsplit_block_n, "SPLITS": 1, "DECODE_ONLY": decode_only}
+        unsplit |= {"DECODE_VALUES_WITH_KEYS": False}
         warps = config.decode_warps if decode_only else config.num_warps
         build(attention._attention_kernel, pointers, unsplit, num_warps=warps, num_stages=config.num_stages)
 print("all kernels lowered for sm_90")

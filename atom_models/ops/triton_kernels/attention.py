@@ -153,6 +153,7 @@ def _attend(
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
+    VALUES_WITH_KEYS: tl.constexpr,
 ):
     """Online-softmax attention of q over keys [lo, hi) gathered from the paged cache.
 
@@ -160,6 +161,9 @@ def _attend(
     never looked up; without it every key in range is visible and [lo, hi) is whole tiles.
     INLINE_SCALES: each key's and value's scale is read from its block's scale slot (the cache as fp32 at
     `k/v_scales_ptr`; this head's row at `scales_offset` into a block) and multiplies its scores and its p.
+    VALUES_WITH_KEYS: a tile's values are asked for with its keys, not after the scores. For launches in one
+    pipeline stage (a lone sequence's decode), where nothing else overlaps the two loads: Qwen3-0.6B batch 1
+    0.854 -> 0.841-0.844 ms a step (H100, thirteenth session); pipelined launches already load them early.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -171,6 +175,8 @@ def _attend(
             page = tl.load(table_ptr + n // BLOCK_SIZE)
         offs = page.to(tl.int64)[:, None] * stride_kb + ((n % BLOCK_SIZE) * stride_ks + kv_head_offset)[:, None]
         k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
+        if VALUES_WITH_KEYS:
+            v = tl.load(v_cache_ptr + offs + offs_d[None, :])
         qk = tl.dot(q, tl.trans(k))
         if INLINE_SCALES:
             scale_at = page.to(tl.int64) * (stride_kb // 4) + scales_offset + n % BLOCK_SIZE
@@ -182,7 +188,8 @@ def _attend(
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        v = tl.load(v_cache_ptr + offs + offs_d[None, :])
+        if not VALUES_WITH_KEYS:
+            v = tl.load(v_cache_ptr + offs + offs_d[None, :])
         if INLINE_SCALES:  # p times each value's amax (its scale x 448, undone at the end: scales can lie below fp16's
             # range), in q's dtype
             v_amax = tl.load(v_scales_ptr + scale_at, mask=n < hi, other=0.0) * FP8_MAX_C
@@ -222,6 +229,7 @@ def _attend_context(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
+    VALUES_WITH_KEYS: tl.constexpr,
 ):
     """Attention of KV head `kv_head` over keys [lo, hi): [lo, full_end) unmasked, [full_end, hi) masked by q_pos."""
     kv_head_offset = kv_head * stride_kh
@@ -252,6 +260,7 @@ def _attend_context(
         HEAD_DIM,
         False,
         INLINE_SCALES,
+        VALUES_WITH_KEYS,
     )
     acc, l_i, m_i = _attend(
         acc,
@@ -276,6 +285,7 @@ def _attend_context(
         HEAD_DIM,
         True,
         INLINE_SCALES,
+        VALUES_WITH_KEYS,
     )
     return acc, l_i, m_i
 
@@ -359,6 +369,7 @@ def _decode_program(
     SPLITS: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
+    VALUES_WITH_KEYS: tl.constexpr,
 ):
     """One split of one decode token's attention (see `_split_range`); the last split to finish merges them all."""
     active, lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
@@ -394,6 +405,7 @@ def _decode_program(
             BLOCK_SIZE,
             HEAD_DIM,
             INLINE_SCALES,
+            VALUES_WITH_KEYS,
         )
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale
@@ -567,6 +579,7 @@ def _tile_program(
                 BLOCK_SIZE,
                 HEAD_DIM,
                 INLINE_SCALES,
+                False,
             )
             out = acc / l_i[:, None] * v_scale
             tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -612,6 +625,7 @@ def _attention_kernel(
     KV_SCALES: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
+    DECODE_VALUES_WITH_KEYS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0) % num_kv_heads  # the fastest-varying index
@@ -686,6 +700,7 @@ def _attention_kernel(
                 SPLITS,
                 DECODE_SPLIT_KEYS,
                 INLINE_SCALES,
+                DECODE_VALUES_WITH_KEYS,
             )
     elif not DECODE_ONLY:
         # Last tiles first: in causal prefill a sequence's later tiles carry the most work.
@@ -793,6 +808,7 @@ def run_paged_attention(
     # and a specialisation without the prefill path, which needs far fewer registers.
     decode_only = num_tokens == num_seqs
     num_tiles = 0 if decode_only else triton.cdiv(num_tokens, block_q) + num_seqs
+    num_stages = config.lone_decode_stages if decode_only and num_seqs == 1 else config.num_stages
     _attention_kernel[(num_kv_heads * (num_seqs * num_splits + num_tiles),)](
         q,
         k_cache,
@@ -832,8 +848,9 @@ def run_paged_attention(
         KV_SCALES=kv_scales,
         INLINE_SCALES=inline,
         DECODE_ONLY=decode_only,
+        DECODE_VALUES_WITH_KEYS=num_stages == 1,
         num_warps=config.decode_warps if decode_only else config.num_warps,
-        num_stages=config.lone_decode_stages if decode_only and num_seqs == 1 else config.num_stages,
+        num_stages=num_stages,
         **pdl_launch(q.device),
     )
     return out

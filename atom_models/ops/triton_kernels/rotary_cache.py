@@ -27,6 +27,7 @@ from atom_models.ops.triton_kernels.common import (
     FP8_MAX_C,
     MIN_SCALE_C,
     inline_scale_operands,
+    launch_next_kernel,
     pdl_launch,
     tl_dtype,
     wait_for_previous_kernel,
@@ -138,8 +139,14 @@ def _rope_cache_kernel(
     FP8_CACHE: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
+    LAUNCH_NEXT_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """LAUNCH_NEXT_FIRST: the next kernel (attention) may launch before this one waits for the one before, so
+    its programs ask L2 for their keys while the qkv projection finishes. For a lone token, whose projection is one
+    wave of programs: Qwen3-0.6B batch 1 0.854 -> 0.842 ms a step (H100, thirteenth session). Where the projection
+    runs in waves, attention's waiting programs would take multiprocessors its later waves need (batch 8: 1.238 ->
+    1.287 ms)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, HALF_P)
     col_mask = cols < HALF
@@ -151,7 +158,9 @@ def _rope_cache_kernel(
         sin = tl.load(cos_ptr + HALF, mask=col_mask, other=0.0).to(ACT_DTYPE).to(tl.float32)[None, :]
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-    wait_for_previous_kernel(USE_PDL)
+    if LAUNCH_NEXT_FIRST:
+        launch_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL, LAUNCH_NEXT=not LAUNCH_NEXT_FIRST)
     kv_heads = tl.arange(0, KV_HEADS_P)
     kv_mask = (kv_heads < NUM_KV_HEADS)[:, None] & col_mask[None, :]
     k1, k2 = _load_halves(k_ptr + t * stride_kt, kv_heads, cols, kv_mask, stride_kh, HALF)
@@ -271,6 +280,7 @@ def _rope_cache(
             FP8_CACHE=fp8_cache,
             HAS_SCALES=has_scales,
             INLINE_SCALES=inline,
+            LAUNCH_NEXT_FIRST=num_tokens == 1,
             num_warps=4,
             **pdl_launch(q.device),
         )
