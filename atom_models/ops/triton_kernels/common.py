@@ -61,9 +61,9 @@ def pdl_launch(device: torch.device) -> dict:
 def wait_for_previous_kernel(USE_PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     """A PDL kernel waits here until the previous kernel has finished and its writes are visible (before it reads
     anything a kernel of the step writes, or writes anything), then lets the next kernel's programs launch and wait
-    (unless LAUNCH_NEXT is False: the kernel calls `launch_next_kernel` itself, later or before the wait). Before it, a kernel may read
-    only what no kernel of the step writes: the step's inputs (copied before its first kernel starts), weights and
-    tables."""
+    (unless LAUNCH_NEXT is False: the kernel calls `launch_next_kernel` itself, later or before the wait). Before
+    it, a kernel may read only what no kernel of the step writes: the step's inputs (copied before its first kernel
+    starts), weights and tables."""
     if USE_PDL:
         gdc_wait()
         if LAUNCH_NEXT:
