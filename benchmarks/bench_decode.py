@@ -36,7 +36,7 @@ PHASES = ("schedule", "launch", "wait", "finish")
 def head_start_steps(num_prompts: int, context: int, budget: int) -> int:
     """Steps the request prefilled first may decode before the last one has its first token: prefilling
     `num_prompts` prompts of `context` tokens at `budget` tokens a step, doubled, since the decodes of the requests
-    already started share each step's budget (batch 256 at context 400 once ran a step past the plain count)."""
+    already started share each step's budget (a 1/8/64/256 sweep at context 400 once ran a request out early)."""
     return 2 * (-(-num_prompts * context // budget) + 1)
 
 

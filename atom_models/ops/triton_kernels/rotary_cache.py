@@ -142,7 +142,9 @@ def _rope_cache_kernel(
     LAUNCH_NEXT_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """LAUNCH_NEXT_FIRST: the next kernel (attention) may launch before this one waits for the one before, so
+    """One token a program (see the module docstring), the op chosen by the flags.
+
+    LAUNCH_NEXT_FIRST: the next kernel (attention) may launch before this one waits for the one before, so
     its programs ask L2 for their keys while the qkv projection finishes. For a lone token, whose projection is one
     wave of programs: Qwen3-0.6B batch 1 0.854 -> 0.842 ms a step (H100, thirteenth session). Where the projection
     runs in waves, attention's waiting programs would take multiprocessors its later waves need (batch 8: 1.238 ->
