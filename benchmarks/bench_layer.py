@@ -1,6 +1,7 @@
 """Decode layers in CUDA-graph replays: what each part of a layer costs between its neighbours.
 
     python benchmarks/bench_layer.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 432
+    python benchmarks/bench_layer.py --preset llama-3-8b --quantization fp8 --batch-sizes 1   # FP8 weights
 
 `bench_kernels.py` times each kernel alone, back to back. In a decode step every kernel is launched early
 (programmatic dependent launch) and waits for the one before, so what a kernel costs depends on its neighbours: the
@@ -9,7 +10,9 @@ no kernel timed alone shows. Each case runs 20 layers in one graph, each with we
 model's layers: nothing served from L2), through the ops the exported graph runs (after its fusion passes): the
 whole decoder layer (`decoder layer`: add + RMSNorm + qkv, the RoPE (QK-norm for Qwen3) cache write, paged
 attention, o, add + RMSNorm + gate_up, SiLU·mul + down); its attention half (`attention half`: qkv to o); the same
-without the cache write (`attention after the GEMV`); the qkv and o projections alone (`GEMVs`). µs a layer. A
+without the cache write (`attention after the GEMV`); the qkv and o projections alone (`GEMVs`); µs a layer, and
+`layer - half` the MLP half. `--quantization fp8` quantizes the projections per output channel and runs the fp8_linear
+ops (one token: the weight-only GEMVs), as an artifact exported with `--quantization fp8` does. A
 decoder layer here should track a model step's share of it without exporting an artifact (a scratch version of the
 case, H100, thirteenth session: ~30 µs a layer at Qwen3-0.6B batch 1, against ~29 in the model's graph profile).
 """
@@ -21,18 +24,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_common import device_name, git_commit, graph_ms, print_table, write_json
+from bench_common import device_name, graph_ms, print_table, write_json
 
 from atom_models.checkpoints import PRESETS
 from atom_models.ops import set_backend
+from atom_models.ops.quant import quantize_weight
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq
 
 BLOCK_SIZE = 16
 REPEATS = 20
 
 
-def layer_cases(preset: dict, batch: int, context: int) -> dict[str, Callable]:
-    """One layer's cases over random weights and a paged cache holding `context` tokens a sequence."""
+def layer_cases(preset: dict, batch: int, context: int, fp8: bool) -> dict[str, Callable]:
+    """One layer's cases over random weights and a paged cache holding `context` tokens a sequence; `fp8`: the
+    projections' weights quantized per output channel, run by the fp8_linear ops (as `--quantization fp8`)."""
     dtype, device = torch.bfloat16, torch.device("cuda")
     q_heads, kv_heads, hidden = preset["num_attention_heads"], preset["num_key_value_heads"], preset["hidden_size"]
     head_dim = preset.get("head_dim", hidden // q_heads)
@@ -55,15 +60,28 @@ def layer_cases(preset: dict, batch: int, context: int) -> dict[str, Callable]:
     norms = (torch.rand(head_dim, device=device, dtype=dtype) + 0.5,) * 2 if preset["model_type"] == "qwen3" else None
     scale, eps = head_dim**-0.5, 1e-6
     ops = torch.ops.atom
+    if fp8:
+        w_qkv, w_o, w_gate_up, w_down = (quantize_weight(w, "per_channel") for w in (w_qkv, w_o, w_gate_up, w_down))
+
+    def linear(x, w):
+        return ops.fp8_linear(x, *w, None, dtype) if fp8 else ops.linear(x, w, None)
+
+    def norm_linear(x, residual, norm, w):
+        if fp8:
+            return ops.fused_add_rms_norm_fp8_linear(x, residual, norm, eps, *w, None, dtype)
+        return ops.fused_add_rms_norm_linear(x, residual, norm, eps, w, None)
+
+    def silu_linear(x, w):
+        return ops.silu_and_mul_fp8_linear(x, *w, None, dtype) if fp8 else ops.silu_and_mul_linear(x, w, None)
 
     def qkv():
-        h, summed = ops.fused_add_rms_norm_linear(x, residual, input_norm, eps, w_qkv, None)
+        h, summed = norm_linear(x, residual, input_norm, w_qkv)
         q, k, v = h.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         q, k, v = q.view(batch, q_heads, head_dim), k.view(batch, kv_heads, head_dim), v.view(batch, kv_heads, head_dim)
         return q, k, v, summed
 
     def attend(q):
-        return ops.linear(ops.paged_attention(q, cache, tables, seq_lens, query_start_loc, scale).flatten(1), w_o, None)
+        return linear(ops.paged_attention(q, cache, tables, seq_lens, query_start_loc, scale).flatten(1), w_o)
 
     def attention_half():
         q, k, v, summed = qkv()
@@ -75,14 +93,14 @@ def layer_cases(preset: dict, batch: int, context: int) -> dict[str, Callable]:
 
     def decoder_layer():
         o, summed = attention_half()
-        gate_up, _ = ops.fused_add_rms_norm_linear(o, summed, post_norm, eps, w_gate_up, None)
-        return ops.silu_and_mul_linear(gate_up, w_down, None)
+        gate_up, _ = norm_linear(o, summed, post_norm, w_gate_up)
+        return silu_linear(gate_up, w_down)
 
     return {
         "decoder_layer_us": decoder_layer,
         "attention_half_us": attention_half,
         "attention_after_gemv_us": lambda: attend(qkv()[0]),
-        "gemvs_us": lambda: ops.linear(qkv()[0].flatten(1), w_o, None),
+        "gemvs_us": lambda: linear(qkv()[0].flatten(1), w_o),
     }
 
 
@@ -91,6 +109,7 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--context", type=int, default=432, help="tokens cached a sequence, the new one included")
+    parser.add_argument("--quantization", choices=["fp8"], help="FP8 weights, per output channel")
     parser.add_argument("--out", type=Path, default=Path("bench_layer.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,17 +117,19 @@ def main() -> None:
     if args.context < 1:
         parser.error(f"--context must be at least 1, got {args.context}")
     set_backend("triton")
+    fp8 = args.quantization == "fp8"
     rows = []
     for batch in args.batch_sizes:
         # Each replayed layer has weights and a cache of its own, as a model's layers do: none is served from L2.
-        layers = [layer_cases(PRESETS[args.preset], batch, args.context) for _ in range(REPEATS)]
+        layers = [layer_cases(PRESETS[args.preset], batch, args.context, fp8) for _ in range(REPEATS)]
         row = {"batch": batch, "context": args.context}
         row |= {name: graph_ms([cases[name] for cases in layers]) * 1e3 for name in layers[0]}
         del layers
         row["attention_us"] = row["attention_half_us"] - row["gemvs_us"]
+        row["mlp_half_us"] = row["decoder_layer_us"] - row["attention_half_us"]
         rows.append(row)
     print_table(
-        f"decode layers, {args.preset} shapes, {device_name()}, µs a layer (graph of {REPEATS})",
+        f"decode layers, {args.preset} shapes{', FP8 weights' * fp8}, {device_name()}, µs a layer (graph of {REPEATS})",
         rows,
         [
             ("batch", "batch", "d"),
@@ -118,9 +139,10 @@ def main() -> None:
             ("attention_after_gemv_us", "attn after GEMV", ".2f"),
             ("gemvs_us", "GEMVs", ".2f"),
             ("attention_us", "half - GEMVs", ".2f"),
+            ("mlp_half_us", "layer - half", ".2f"),
         ],
     )
-    write_json(args.out, {"preset": args.preset, "commit": git_commit(), "device": device_name(), "rows": rows})
+    write_json(args.out, {"preset": args.preset, "quantization": args.quantization, "rows": rows})
 
 
 if __name__ == "__main__":
