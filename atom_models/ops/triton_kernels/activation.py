@@ -17,6 +17,7 @@ from atom_models.ops.triton_kernels.common import (
     pdl_launch,
     row_launch,
     scale_group,
+    silu,
     store_fp8_row,
     wait_for_previous_kernel,
 )
@@ -32,7 +33,7 @@ def _silu_mul(x_row_ptr, cols, mask, n_cols):
     dtype = x_row_ptr.dtype.element_ty
     gate = tl.load(x_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row_ptr + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = silu(gate).to(dtype).to(tl.float32)
     return (act * up).to(dtype)
 
 

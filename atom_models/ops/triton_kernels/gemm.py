@@ -42,6 +42,7 @@ from atom_models.ops.triton_kernels.common import (
     last_to_arrive,
     launch_next_kernel,
     pdl_launch,
+    silu,
     ticket_counters,
     wait_for_previous_kernel,
 )
@@ -392,7 +393,7 @@ def _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, cols, k_ok, K, store_sum, PROL
     if PROLOGUE == SILU_MUL_C:  # the up half starts K columns after the gate
         gate = x.to(tl.float32)
         up = tl.load(x_ptr + cols + K, mask=k_ok, other=0.0).to(tl.float32)
-        a = gate / (1.0 + tl.exp(-gate)) * up
+        a = silu(gate) * up
     elif PROLOGUE == RMS_NORM_C:
         if res_ptr is not None:
             x = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
