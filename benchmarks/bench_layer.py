@@ -9,10 +9,10 @@ twelfth session found a 3-stage decode attention launch losing ~1.2 µs a layer 
 no kernel timed alone shows. Each case runs 20 layers in one graph, each with weights and a cache of its own (as a
 model's layers: nothing served from L2), through the ops the exported graph runs (after its fusion passes): the
 whole decoder layer (`decoder layer`: add + RMSNorm + qkv, the RoPE (QK-norm for Qwen3) cache write, paged
-attention, o, add + RMSNorm + gate_up, SiLU·mul + down); its attention half (`attention half`: qkv to o); the same
-without the cache write (`attention after the GEMV`); the qkv and o projections alone (`GEMVs`); µs a layer, and
-`layer - half` the MLP half. `--quantization fp8` quantizes the projections per output channel and runs the fp8_linear
-ops (one token: the weight-only GEMVs), as an artifact exported with `--quantization fp8` does. A
+attention, o, then the MLP half in `fused_add_rms_norm_mlp`); its attention half (`attention half`: qkv to o); the
+same without the cache write (`attention after the GEMV`); the qkv and o projections alone (`GEMVs`); µs a layer,
+and `layer - half` the MLP half. `--quantization fp8` quantizes the projections per output channel and runs the
+fp8_linear ops (one token: the weight-only GEMVs), as an artifact exported with `--quantization fp8` does. A
 decoder layer here should track a model step's share of it without exporting an artifact (a scratch version of the
 case, H100, thirteenth session: ~30 µs a layer at Qwen3-0.6B batch 1, against ~29 in the model's graph profile).
 """
@@ -71,8 +71,9 @@ def layer_cases(preset: dict, batch: int, context: int, fp8: bool) -> dict[str, 
             return ops.fused_add_rms_norm_fp8_linear(x, residual, norm, eps, *w, None, dtype)
         return ops.fused_add_rms_norm_linear(x, residual, norm, eps, w, None)
 
-    def silu_linear(x, w):
-        return ops.silu_and_mul_fp8_linear(x, *w, None, dtype) if fp8 else ops.silu_and_mul_linear(x, w, None)
+    def mlp(x, residual):
+        (w1, s1), (w2, s2) = (w_gate_up, w_down) if fp8 else ((w_gate_up, None), (w_down, None))
+        return ops.fused_add_rms_norm_mlp(x, residual, post_norm, eps, w1, s1, None, w2, s2, None, dtype)[0]
 
     def qkv():
         h, summed = norm_linear(x, residual, input_norm, w_qkv)
@@ -93,8 +94,7 @@ def layer_cases(preset: dict, batch: int, context: int, fp8: bool) -> dict[str, 
 
     def decoder_layer():
         o, summed = attention_half()
-        gate_up, _ = norm_linear(o, summed, post_norm, w_gate_up)
-        return silu_linear(gate_up, w_down)
+        return mlp(o, summed)
 
     return {
         "decoder_layer_us": decoder_layer,

@@ -145,6 +145,9 @@ assert registers_and_spills(gate_up)[0] <= 96
 cap = gemm._weight_first_gemv_config(6144, 1024, 2, 132).max_registers
 gate_up = build(gemm._skinny_mm_kernel, norm_gemm, gate_up_tiles, num_warps=4, maxnreg=cap)
 assert registers_and_spills(gate_up) == (cap, 0)
+# so does its gated form (the fused_add_rms_norm_mlp op's: SiLU·mul in the epilogue)
+gated = build(gemm._skinny_mm_kernel, norm_gemm, {**gate_up_tiles, "GATED": True}, num_warps=4, maxnreg=cap)
+assert registers_and_spills(gated) == (cap, 0)
 # the fp8_linear ops' weight-only GEMV: an unquantized token through an fp8 weight, after each prologue
 weight_only = {**unscaled, "SCALED": True, "SCALE_K": 512, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 8}
 weight_only |= {"BLOCK_K": 512, "USE_DOT": False, "NUM_STAGES": 4, "SPLIT": False, "WEIGHT_FIRST": False}
@@ -153,6 +156,8 @@ loop_ptx = [
     build(gemm._skinny_mm_kernel, fp8_weight, {**weight_only, "PROLOGUE": prologue}, num_warps=2)
     for prologue in (gemm.NO_PROLOGUE, gemm.RMS_NORM, gemm.SILU_MUL)
 ]
+gated_loop = {**weight_only, "PROLOGUE": gemm.RMS_NORM, "GATED": True}
+loop_ptx.append(build(gemm._skinny_mm_kernel, fp8_weight, gated_loop, num_warps=2))
 bf16_loop = {**weight_only, "SCALED": False, "PROLOGUE": gemm.NO_PROLOGUE}
 loop_ptx.append(build(gemm._skinny_mm_kernel, bf16_gemm, bf16_loop, num_warps=2))
 # the pipelined GEMV lets the next kernel launch once, after asking for its last weight tile

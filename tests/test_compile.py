@@ -256,6 +256,7 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
         "fp8_linear",
         "rms_norm_linear",
         "silu_mul_linear",
+        "gated_mlp",
         "qk_norm_rope_cache",
         "cleanup",
     ]

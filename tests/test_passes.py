@@ -177,6 +177,49 @@ def test_linear_fusions(model, request):
     assert_same_outputs(before, run(model, t))
 
 
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_gated_mlp(model, quantization, request):
+    """Each layer's fused gate_up projection and its fused down projection become one op (bf16 or FP8 weights), with
+    the same outputs for several tokens and for one (the fused ops' weight-only case)."""
+    model, t = traced(request.getfixturevalue(model), quantization)
+    layers = model.config.num_hidden_layers
+    fp8 = quantization == "fp8"
+    apply(t, *(["rms_norm_quant", "silu_mul_quant", "fp8_linear"] if fp8 else ["rms_norm_linear", "silu_mul_linear"]))
+    before, before_one = run(model, t), run(model, t, tokens=1)
+    assert apply(t, "gated_mlp") == {"gated_mlp": layers}
+    after_ops = ops(t.graph_module)
+    suffix = "fp8_linear" if fp8 else "linear"
+    assert after_ops["atom.fused_add_rms_norm_mlp.default"] == layers
+    assert after_ops[f"atom.silu_and_mul_{suffix}.default"] == 0
+    assert after_ops[f"atom.fused_add_rms_norm_{suffix}.default"] == layers - 1  # qkv's input norms but the first
+    assert_same_outputs(before, run(model, t))
+    assert_same_outputs(before_one, run(model, t, tokens=1))
+
+
+def test_gated_mlp_leaves_a_sum_used_before_the_down_projection():
+    graph = torch.fx.Graph()
+    x, residual, norm_weight, w1, w2 = (graph.placeholder(name) for name in ("x", "residual", "g", "w1", "w2"))
+    norm = graph.call_function(
+        torch.ops.atom.fused_add_rms_norm_linear.default, (x, residual, norm_weight, 1e-6, w1, None)
+    )
+    gate_up, summed = (graph.call_function(operator.getitem, (norm, i)) for i in (0, 1))
+    early = graph.call_function(torch.ops.aten.mul.Tensor, (summed, 2.0))
+    down = graph.call_function(torch.ops.atom.silu_and_mul_linear.default, (gate_up, w2, None))
+    graph.output((down, early))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    inputs = (torch.randn(1, 8), torch.randn(1, 8), torch.randn(8), torch.randn(12, 8), torch.randn(8, 6))
+    assert run_passes(gm, ["gated_mlp"])[0].matches == 0
+    graph.erase_node(graph.output_node())
+    graph.erase_node(early)
+    graph.output((down, summed))
+    gm.recompile()
+    before = gm(*inputs)
+    assert run_passes(gm, ["gated_mlp"])[0].matches == 1
+    for a, b in zip(gm(*inputs), before, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def norm_then_linear(sum_used_before_linear: bool = False) -> torch.fx.GraphModule:
     """fused_add_rms_norm -> linear, written with keyword arguments; optionally the residual sum is used before it."""
     graph = torch.fx.Graph()
@@ -250,6 +293,7 @@ def test_pipeline_edits():
         "fp8_linear",
         "rms_norm_linear",
         "silu_mul_linear",
+        "gated_mlp",
         "qk_norm_rope_cache",
     ]
     assert resolve_pipeline(None) == [*default, "rope_cache", "cleanup"]

@@ -30,13 +30,16 @@ from atom_models.ops.linear import (
     rms_norm_linear_reference,
     silu_and_mul_linear_reference,
 )
+from atom_models.ops.mlp import fused_add_rms_norm_mlp_reference
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.quant import (
     FP8_DTYPE,
     expand_group_scale,
+    fused_add_rms_norm_fp8_linear_reference,
     fused_add_rms_norm_quant_fp8_reference,
     num_scale_groups,
     quant_fp8_per_token_reference,
+    quantize_weight,
     rms_norm_quant_fp8_reference,
     silu_and_mul_quant_fp8_reference,
 )
@@ -380,6 +383,61 @@ def test_linear_dispatch(m):
     dtype = torch.bfloat16 if CUDA or m == 1 else torch.float32
     x, w = randn(1, m, 136, dtype=dtype), randn(40, 136, dtype=dtype, scale=0.05)
     assert_close(gemm.linear(x, w, None), linear_reference(x, w, None), tol=1e-2)
+
+
+def mlp_case(m: int, hidden: int, inter: int, fp8_gate_up: bool, fp8_down: bool, dtype: torch.dtype = DTYPE):
+    """`fused_add_rms_norm_mlp`'s arguments: x, residual, norm weight, eps, then gate_up's and down's weight, scale
+    (per channel where FP8, else None) and bias, and the output dtype."""
+    x, residual, g = randn(m, hidden, dtype=dtype, scale=3.0), randn(m, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    projections = []
+    for rows, cols, fp8 in ((2 * inter, hidden, fp8_gate_up), (hidden, inter, fp8_down)):
+        w = randn(rows, cols, dtype=dtype, scale=0.05)
+        w, scale = quantize_weight(w, "per_channel") if fp8 else (w, None)
+        projections += [w, scale, randn(rows, dtype=dtype)]
+    return (x, residual, g, 1e-6, *projections, dtype)
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gated_gemv(config, fp8):
+    """The one-token gate_up GEMV with SiLU·mul in its epilogue (and the norm prologue): odd sizes (partial row
+    tiles, K not a multiple of any tile); split configs run unsplit."""
+    x, residual, g, eps, w, scale, bias, *_ = mlp_case(1, 200, 35, fp8, False)
+    summed = torch.full_like(x, float("nan"))
+    prologue = gemm.RMSNormPrologue(g, eps, residual, summed)
+    act = gemm.run_skinny_mm(x, None, w, scale, bias, DTYPE, (1, 200), config, prologue=prologue, gated=True)
+    if fp8:
+        gate_up, reference_sum = fused_add_rms_norm_fp8_linear_reference(x, residual, g, eps, w, scale, bias, DTYPE)
+    else:
+        gate_up, reference_sum = fused_add_rms_norm_linear_reference(x, residual, g, eps, w, bias)
+    assert_close(act, silu_and_mul_reference(gate_up))
+    assert_close(summed, reference_sum, tol=1e-6)
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        gemm.run_skinny_mm(x, None, w[:-1], None if scale is None else scale[:-1], None, DTYPE, (1, 200), gated=True)
+
+
+@pytest.mark.parametrize("m", [1, 2] + ([13, 17, 300] if CUDA else []))
+@pytest.mark.parametrize("fp8_gate_up,fp8_down", [(False, False), (True, True), (True, False)])
+def test_mlp_dispatch(m, fp8_gate_up, fp8_down):
+    """`fused_add_rms_norm_mlp`'s Triton implementation against its reference (the two fused ops in a row): one
+    token through the gated GEMV and the plain down GEMV; more through the two ops (on CPU: M = 2 in fp32 for bf16
+    projections, the fallback; FP8 ones need the GPU's `scaled_mm`)."""
+    if m > 1 and not CUDA and (fp8_gate_up or fp8_down):
+        pytest.skip("FP8 projections of several tokens run scaled_mm, which needs a GPU")
+    dtype = torch.bfloat16 if CUDA or m == 1 else torch.float32
+    args = mlp_case(m, 136, 40, fp8_gate_up, fp8_down, dtype)
+    for out, ref in zip(gemm.fused_add_rms_norm_mlp(*args), fused_add_rms_norm_mlp_reference(*args), strict=True):
+        assert_close(out, ref, tol=2e-2 if fp8_gate_up or fp8_down else 1e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("hidden,inter", [(1024, 3072), (4096, 14336)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mlp_gpu_shapes(hidden, inter, fp8):
+    """Qwen3-0.6B's and Llama-3-8B's MLP, one token (weight-first and pipelined gate_up GEMVs)."""
+    args = mlp_case(1, hidden, inter, fp8, fp8)
+    for out, ref in zip(gemm.fused_add_rms_norm_mlp(*args), fused_add_rms_norm_mlp_reference(*args), strict=True):
+        assert_close(out, ref, tol=2e-2)
 
 
 @gpu_only

@@ -3,6 +3,7 @@
 from atom_compile.passes import (  # noqa: F401
     cleanup,
     fp8_linear,
+    gated_mlp,
     qk_norm_rope_cache,
     rms_norm_linear,
     rms_norm_quant,

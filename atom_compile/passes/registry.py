@@ -37,14 +37,15 @@ class PassRecord:
 _REGISTRY: dict[str, RegisteredPass] = {}
 
 # The built-in order: quant fusions first (they need the plain norm/activation nodes; then the quantizers go into
-# their GEMMs), then the fusions into unquantized projections, then the attention-side fusions, then cleanup of
-# whatever the others left behind.
+# their GEMMs), then the fusions into unquantized projections, then the MLP's two into one op, then the attention-side
+# fusions, then cleanup of whatever the others left behind.
 DEFAULT_PIPELINE = [
     "rms_norm_quant",
     "silu_mul_quant",
     "fp8_linear",
     "rms_norm_linear",
     "silu_mul_linear",
+    "gated_mlp",
     "qk_norm_rope_cache",
     "rope_cache",
     "cleanup",

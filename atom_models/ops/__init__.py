@@ -6,7 +6,7 @@ GPU backend provides one (see `backend`). `sampling.sample_rows`, which the deco
 graphs capture after the forward and nothing traces, is a plain function on the same backends.
 """
 
-from atom_models.ops import activation, attention, linear, norm, quant, rotary, sampling  # noqa: F401
+from atom_models.ops import activation, attention, linear, mlp, norm, quant, rotary, sampling  # noqa: F401
 from atom_models.ops.attention import KV_CACHE_OPS
 from atom_models.ops.backend import (
     available_backends,

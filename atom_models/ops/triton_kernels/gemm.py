@@ -447,6 +447,7 @@ def _skinny_mm_kernel(
     PROLOGUE: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,
     ONE_TRIP: tl.constexpr,
+    GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
@@ -456,7 +457,10 @@ def _skinny_mm_kernel(
     weight is scaled, the weight-only product of `fp8_linear` (it takes prologues, as the bf16 GEMV does).
     PROLOGUE (one token, the CUDA-core GEMV only; see `_gemv_operand`): RMS_NORM normalises x (plus the
     residual at res_ptr, if given, whose sum goes to sum_ptr) with weight g_ptr and eps first; SILU_MUL takes
-    x = [gate | up] of 2K columns.
+    x = [gate | up] of 2K columns. GATED (the one-token GEMV, unsplit): the weight is [gate; up], N = 2 x the
+    output's columns, and a program takes BLOCK_N / 2 rows of each half, so its epilogue writes SiLU(gate) * up
+    (rounded as `silu_and_mul` rounds) instead of both: the activation is computed once, not in every program of
+    the down projection's prologue.
 
     A decode GEMM reads each weight byte once and does almost no arithmetic on it, so what counts
     is bytes in flight: many programs (narrow N tiles, and K split in `num_splits` slices when N alone
@@ -480,10 +484,16 @@ def _skinny_mm_kernel(
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_N // 2
+    if GATED:  # rows r < HALF of the gate half, the rest the same rows of the up half
+        rows = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * HALF + rows % HALF + (rows // HALF) * (N // 2)
+        n_ok = pid_n * HALF + rows % HALF < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
     m_ok = offs_m < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -542,8 +552,14 @@ def _skinny_mm_kernel(
                 acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+        if GATED:  # one token (BLOCK_M 1): [gate rows; up rows] -> SiLU(gate) * up
+            dtype = out_ptr.dtype.element_ty
+            gate, up = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
+            cols = pid_n * HALF + tl.arange(0, HALF)
+            tl.store(out_ptr + cols, (silu(gate).to(dtype).to(tl.float32) * up).to(dtype), mask=cols < N // 2)
+        else:
+            out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
 def run_skinny_mm(
@@ -556,12 +572,14 @@ def run_skinny_mm(
     scale_block: tuple[int, int],
     config: SkinnyConfig | None = None,
     prologue: RMSNormPrologue | SiluMulPrologue | None = None,
+    gated: bool = False,
 ) -> Tensor:
     """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
 
     Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w; for one token it may
     take a prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape). One
     unquantized token (x_scale None) may also go through an fp8 weight with per-row scales: weight-only.
+    `gated` (one token): w is [gate; up] and the output SiLU(gate) * up, half w's rows wide.
     """
     if x_scale is not None and w_scale is None:
         raise ValueError("the skinny GEMM takes activation scales only with weight scales (fp8)")
@@ -581,6 +599,11 @@ def run_skinny_mm(
         raise ValueError("an unquantized x through an fp8 weight runs in the one-token GEMV, not in the MMA")
     if prologue is not None and config.dot:
         raise ValueError("the skinny GEMM's prologues run in the one-token GEMV, not in the MMA")
+    if gated:
+        if config.dot or n % 2:
+            raise ValueError(f"the gated GEMV takes one token and an even number of weight rows, got {m} and {n}")
+        # a program holds matching gate and up rows, and writes the activation whole (no split of K)
+        config = dataclasses.replace(config, block_n=max(2, config.block_n), split_k=1)
     residual = norm_weight = summed = None
     if isinstance(prologue, RMSNormPrologue):
         if config.split_k > 1:  # each program needs the squares of the whole row
@@ -595,7 +618,7 @@ def run_skinny_mm(
             if residual.shape != x.shape:
                 raise ValueError("the RMSNorm prologue's residual must have x's shape")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, n // 2 if gated else n), dtype=out_dtype, device=x.device)
     scaled, x_scaled = ws is not None, x_scale is not None
     unused = out[:1, :1]  # for the scale pointers a launch does not read: one element, so nothing looks grouped
     x_scale = _activation_scales(x_scale) if x_scaled else unused
@@ -637,11 +660,12 @@ def run_skinny_mm(
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             WEIGHT_FIRST=k_per_split == config.block_k,
             ONE_TRIP=config.max_registers is not None,
+            GATED=gated,
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl_launch(x.device),
         )
-    return out.reshape(*x_q.shape[:-1], n)
+    return out.reshape(*x_q.shape[:-1], out.shape[1])
 
 
 @register_impl("scaled_mm_blockwise", "triton")
@@ -764,3 +788,40 @@ def silu_and_mul_fp8_linear(x, w_q, w_scale, bias, out_dtype) -> Tensor:
     if one_token(x):
         return _gemv(x, w_q, w_scale, bias, out_dtype, SiluMulPrologue())
     return scaled_mm(*silu_and_mul_quant_fp8(x), w_q, w_scale, bias, out_dtype)
+
+
+@register_impl("fused_add_rms_norm_mlp", "triton")
+def fused_add_rms_norm_mlp(
+    x,
+    residual,
+    norm_weight,
+    eps,
+    gate_up_weight,
+    gate_up_scale,
+    gate_up_bias,
+    down_weight,
+    down_scale,
+    down_bias,
+    out_dtype,
+) -> tuple[Tensor, Tensor]:
+    """One token: the gate_up GEMV (norm prologue, SiLU·mul epilogue), then the down GEMV; else the two fused ops."""
+    gate_up_fp8, down_fp8 = gate_up_scale is not None, down_scale is not None
+    act_dtype = out_dtype if gate_up_fp8 else x.dtype
+    gemvs = gate_up_fp8 or _skinny_linear(x, gate_up_weight, FUSED_LINEAR_MAX_M)
+    if one_token(x) and gemvs and (down_fp8 or down_weight.dtype == act_dtype):
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
+        k = gate_up_weight.shape[1]
+        act = run_skinny_mm(
+            x, None, gate_up_weight, gate_up_scale, gate_up_bias, act_dtype, (1, k), prologue=prologue, gated=True
+        )
+        return _gemv(act, down_weight, down_scale, down_bias, out_dtype if down_fp8 else act_dtype), summed
+    if gate_up_fp8:
+        gate_up, summed = fused_add_rms_norm_fp8_linear(
+            x, residual, norm_weight, eps, gate_up_weight, gate_up_scale, gate_up_bias, out_dtype
+        )
+    else:
+        gate_up, summed = fused_add_rms_norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
+    if down_fp8:
+        return silu_and_mul_fp8_linear(gate_up, down_weight, down_scale, down_bias, out_dtype), summed
+    return silu_and_mul_linear(gate_up, down_weight, down_bias), summed
