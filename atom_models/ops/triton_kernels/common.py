@@ -83,9 +83,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def silu(x):
-    """x * sigmoid(x) in fp32 through exp2, which lowers to one approximate ex2 (`tl.exp` adds a range fix-up): the
-    one-token GEMV evaluates it for every column in each of its programs (Llama-3-8B's down_proj: 512 times a column),
-    where the cheaper form cut 0.3-0.7 us a layer (H100, bench_layer.py)."""
+    """x * sigmoid(x) in fp32 through exp2, which lowers to one approximate ex2 (`tl.exp` adds a range fix-up: an
+    elementwise SiLU·mul's sm_90 code 152 instructions -> 120). It counts where a one-token GEMV's SiLU·mul prologue
+    evaluates it for every column in each of its programs (without the gated_mlp pass): Llama-3-8B's FP8 MLP half
+    -0.7 us a layer, Qwen3-0.6B's -0.3 (H100, bench_layer.py)."""
     return x / (1.0 + tl.exp2(x * -LOG2E))
 
 
