@@ -9,6 +9,7 @@ would send CPU tensors to the reference.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -738,3 +739,36 @@ def test_kernels_lower_to_sm90_machine_code():
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(script.parent.parent)}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+KERNEL_KEYS = """
+import json, sys
+from triton.runtime.jit import JITFunction
+from atom_models.ops.triton_kernels import activation, attention, common, gemm, norm, quant, rotary_cache, sampling
+modules = (activation, attention, common, gemm, norm, quant, rotary_cache, sampling)
+kernels = sorted(
+    (f"{m.__name__}.{n}", f)
+    for m in modules
+    for n, f in vars(m).items()
+    if isinstance(f, JITFunction) and n.endswith("_kernel")
+)
+print(json.dumps({name: f.cache_key for name, f in (reversed(kernels) if sys.argv[1] == "reverse" else kernels)}))
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_the_order_kernels_compile_in():
+    """Triton adds a global constexpr that a helper reads to a caller's cache key only if the helper's own key was
+    computed first. A helper that several kernels call must not read one: the keys would depend on which kernel was
+    compiled first, and serving (its own order) would miss the Triton cache the artifact ships and compile (as the
+    FP8 case of test_gpu did, the first time `silu` read log2(e) from a global). Kernels are the entry points here:
+    nothing computes a helper's key but its callers."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    keys = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", KERNEL_KEYS, order], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for order in ("forward", "reverse")
+    ]
+    assert len(keys[0]) > 15 and keys[0] == keys[1], [name for name in keys[0] if keys[0][name] != keys[1][name]]

@@ -78,16 +78,17 @@ def launch_next_kernel(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-LOG2E = tl.constexpr(1.4426950408889634)
-
-
 @triton.jit
 def silu(x):
     """x * sigmoid(x) in fp32 through exp2, which lowers to one approximate ex2 (`tl.exp` adds a range fix-up: an
     elementwise SiLU·mul's sm_90 code 152 instructions -> 120). It counts where a one-token GEMV's SiLU·mul prologue
     evaluates it for every column in each of its programs (without the gated_mlp pass): Llama-3-8B's FP8 MLP half
-    -0.7 us a layer, Qwen3-0.6B's -0.3 (H100, bench_layer.py)."""
-    return x / (1.0 + tl.exp2(x * -LOG2E))
+    -0.7 us a layer, Qwen3-0.6B's -0.3 (H100, bench_layer.py).
+
+    log2(e) is written out: a helper that several kernels call must not read a global constexpr, which Triton adds to
+    a caller's cache key only if the helper's own key was computed first, so the kernels' keys (and the artifact's
+    Triton cache) would depend on the order kernels were first compiled in."""
+    return x / (1.0 + tl.exp2(x * -1.4426950408889634))
 
 
 @triton.jit
@@ -152,12 +153,25 @@ def scale_group(block: int, group_size: int) -> int:
 
 
 @triton.jit
-def store_fp8_row(y, mask, n_cols, q_ptr, scale_ptr, row, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def store_fp8_row(
+    y,
+    mask,
+    n_cols,
+    q_ptr,
+    scale_ptr,
+    row,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr = FP8_MAX_C,
+    MIN_SCALE: tl.constexpr = MIN_SCALE_C,
+):
     """Quantize the fp32 row `y` ([BLOCK]) to e4m3 with one dynamic scale per GROUP columns, as the reference
-    does; the scales go to row `row` of the contiguous [rows, cdiv(n_cols, GROUP)] scale tensor at scale_ptr."""
+    does; the scales go to row `row` of the contiguous [rows, cdiv(n_cols, GROUP)] scale tensor at scale_ptr.
+
+    The e4m3 limits come in as defaults, not read as globals: see `silu` (several kernels call this)."""
     groups = tl.reshape(tl.where(mask, tl.abs(y), 0.0), [BLOCK // GROUP, GROUP])
-    scale = tl.maximum(tl.max(groups, axis=1) / FP8_MAX_C, MIN_SCALE_C)
+    scale = tl.maximum(tl.max(groups, axis=1) / FP8_MAX, MIN_SCALE)
     q = tl.reshape(tl.reshape(y, [BLOCK // GROUP, GROUP]) / scale[:, None], [BLOCK])
-    tl.store(q_ptr, tl.clamp(q, -FP8_MAX_C, FP8_MAX_C).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr, tl.clamp(q, -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
     group = tl.arange(0, BLOCK // GROUP)
     tl.store(scale_ptr + row * tl.cdiv(n_cols, GROUP) + group, scale, mask=group * GROUP < n_cols)
