@@ -32,6 +32,7 @@ from atom_models.ops.linear import (
     rms_norm_linear_reference,
     silu_and_mul_linear_reference,
 )
+from atom_models.ops.mlp import Projections
 from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from atom_models.ops.rotary import rotary_embedding_reference
 
@@ -69,18 +70,14 @@ def cpu_decompositions() -> dict:
     }
 
 
-def _mlp_as_projections(x, residual, norm_weight, eps, w1, s1, b1, w2, s2, b2, out_dtype):
-    """`fused_add_rms_norm_mlp` as the two fused projections it stands for: unquantized ones as their references
-    (Inductor's GEMMs), FP8 ones as their ops (not decomposed on CPU either)."""
-    if s1 is None:
-        gate_up, summed = fused_add_rms_norm_linear_reference(x, residual, norm_weight, eps, w1, b1)
-    else:
-        gate_up, summed = torch.ops.atom.fused_add_rms_norm_fp8_linear(
-            x, residual, norm_weight, eps, w1, s1, b1, out_dtype
-        )
-    if s2 is None:
-        return silu_and_mul_linear_reference(gate_up, w2, b2), summed
-    return torch.ops.atom.silu_and_mul_fp8_linear(gate_up, w2, s2, b2, out_dtype), summed
+# On CPU the MLP op runs as the fused projections it stands for: unquantized ones as their references (Inductor's
+# GEMMs), FP8 ones as their ops (not decomposed on CPU either).
+_mlp_as_projections = Projections(
+    fused_add_rms_norm_linear_reference,
+    torch.ops.atom.fused_add_rms_norm_fp8_linear,
+    silu_and_mul_linear_reference,
+    torch.ops.atom.silu_and_mul_fp8_linear,
+)
 
 
 def register_inductor_decompositions() -> None:

@@ -10,6 +10,9 @@ runs what the two ops run. Either projection may be FP8 (a scale given: the fp8_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -50,45 +53,36 @@ def fused_add_rms_norm_mlp(
 
 
 @fused_add_rms_norm_mlp.register_fake
-def _(
-    x,
-    residual,
-    norm_weight,
-    eps,
-    gate_up_weight,
-    gate_up_scale,
-    gate_up_bias,
-    down_weight,
-    down_scale,
-    down_bias,
-    out_dtype,
-):
-    dtype = out_dtype if down_scale is not None else out_dtype if gate_up_scale is not None else x.dtype
-    return x.new_empty((*x.shape[:-1], down_weight.shape[0]), dtype=dtype), torch.empty_like(x)
+def _(x, residual, norm_weight, eps, w1, s1, b1, w2, s2, b2, out_dtype):
+    dtype = out_dtype if s2 is not None or s1 is not None else x.dtype
+    return x.new_empty((*x.shape[:-1], w2.shape[0]), dtype=dtype), torch.empty_like(x)
 
 
-@register_impl("fused_add_rms_norm_mlp", "torch")
-def fused_add_rms_norm_mlp_reference(
-    x,
-    residual,
-    norm_weight,
-    eps,
-    gate_up_weight,
-    gate_up_scale,
-    gate_up_bias,
-    down_weight,
-    down_scale,
-    down_bias,
-    out_dtype,
-) -> tuple[Tensor, Tensor]:
-    if gate_up_scale is None:
-        gate_up, summed = fused_add_rms_norm_linear_reference(
-            x, residual, norm_weight, eps, gate_up_weight, gate_up_bias
-        )
-    else:
-        gate_up, summed = fused_add_rms_norm_fp8_linear_reference(
-            x, residual, norm_weight, eps, gate_up_weight, gate_up_scale, gate_up_bias, out_dtype
-        )
-    if down_scale is None:
-        return silu_and_mul_linear_reference(gate_up, down_weight, down_bias), summed
-    return silu_and_mul_fp8_linear_reference(gate_up, down_weight, down_scale, down_bias, out_dtype), summed
+@dataclass(frozen=True)
+class Projections:
+    """The four fused projections the op stands for, as some backend runs them."""
+
+    norm_linear: Callable  # fused_add_rms_norm_linear
+    norm_fp8_linear: Callable  # fused_add_rms_norm_fp8_linear
+    silu_linear: Callable  # silu_and_mul_linear
+    silu_fp8_linear: Callable  # silu_and_mul_fp8_linear
+
+    def __call__(self, x, residual, norm_weight, eps, w1, s1, b1, w2, s2, b2, out_dtype) -> tuple[Tensor, Tensor]:
+        """The op as its gate_up projection then its down projection, each plain or FP8 as its scale says."""
+        if s1 is None:
+            gate_up, summed = self.norm_linear(x, residual, norm_weight, eps, w1, b1)
+        else:
+            gate_up, summed = self.norm_fp8_linear(x, residual, norm_weight, eps, w1, s1, b1, out_dtype)
+        if s2 is None:
+            return self.silu_linear(gate_up, w2, b2), summed
+        return self.silu_fp8_linear(gate_up, w2, s2, b2, out_dtype), summed
+
+
+fused_add_rms_norm_mlp_reference = register_impl("fused_add_rms_norm_mlp", "torch")(
+    Projections(
+        fused_add_rms_norm_linear_reference,
+        fused_add_rms_norm_fp8_linear_reference,
+        silu_and_mul_linear_reference,
+        silu_and_mul_fp8_linear_reference,
+    )
+)

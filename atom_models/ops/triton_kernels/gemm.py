@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from atom_models.ops.backend import register_impl
+from atom_models.ops.mlp import Projections
 from atom_models.ops.quant import one_token
 from atom_models.ops.triton_kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
 from atom_models.ops.triton_kernels.common import (
@@ -790,38 +791,19 @@ def silu_and_mul_fp8_linear(x, w_q, w_scale, bias, out_dtype) -> Tensor:
     return scaled_mm(*silu_and_mul_quant_fp8(x), w_q, w_scale, bias, out_dtype)
 
 
+_two_projections = Projections(
+    fused_add_rms_norm_linear, fused_add_rms_norm_fp8_linear, silu_and_mul_linear, silu_and_mul_fp8_linear
+)
+
+
 @register_impl("fused_add_rms_norm_mlp", "triton")
-def fused_add_rms_norm_mlp(
-    x,
-    residual,
-    norm_weight,
-    eps,
-    gate_up_weight,
-    gate_up_scale,
-    gate_up_bias,
-    down_weight,
-    down_scale,
-    down_bias,
-    out_dtype,
-) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm_mlp(x, residual, norm_weight, eps, w1, s1, b1, w2, s2, b2, out_dtype) -> tuple[Tensor, Tensor]:
     """One token: the gate_up GEMV (norm prologue, SiLU·mul epilogue), then the down GEMV; else the two fused ops."""
-    gate_up_fp8, down_fp8 = gate_up_scale is not None, down_scale is not None
-    act_dtype = out_dtype if gate_up_fp8 else x.dtype
-    gemvs = gate_up_fp8 or _skinny_linear(x, gate_up_weight, FUSED_LINEAR_MAX_M)
-    if one_token(x) and gemvs and (down_fp8 or down_weight.dtype == act_dtype):
-        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
-        k = gate_up_weight.shape[1]
-        act = run_skinny_mm(
-            x, None, gate_up_weight, gate_up_scale, gate_up_bias, act_dtype, (1, k), prologue=prologue, gated=True
-        )
-        return _gemv(act, down_weight, down_scale, down_bias, out_dtype if down_fp8 else act_dtype), summed
-    if gate_up_fp8:
-        gate_up, summed = fused_add_rms_norm_fp8_linear(
-            x, residual, norm_weight, eps, gate_up_weight, gate_up_scale, gate_up_bias, out_dtype
-        )
-    else:
-        gate_up, summed = fused_add_rms_norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)
-    if down_fp8:
-        return silu_and_mul_fp8_linear(gate_up, down_weight, down_scale, down_bias, out_dtype), summed
-    return silu_and_mul_linear(gate_up, down_weight, down_bias), summed
+    act_dtype = out_dtype if s1 is not None else x.dtype
+    gemvs = s1 is not None or _skinny_linear(x, w1, FUSED_LINEAR_MAX_M)
+    if not (one_token(x) and gemvs and (s2 is not None or w2.dtype == act_dtype)):
+        return _two_projections(x, residual, norm_weight, eps, w1, s1, b1, w2, s2, b2, out_dtype)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
+    act = run_skinny_mm(x, None, w1, s1, b1, act_dtype, (1, w1.shape[1]), prologue=prologue, gated=True)
+    return _gemv(act, w2, s2, b2, out_dtype if s2 is not None else act_dtype), summed
