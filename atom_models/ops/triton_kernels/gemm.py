@@ -660,7 +660,8 @@ def run_skinny_mm(
             USE_DOT=config.dot,
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
             WEIGHT_FIRST=k_per_split == config.block_k,
-            ONE_TRIP=config.max_registers is not None,
+            # a capped weight-first config compiles its one tile in one trip, unless the norm or gating undid its split
+            ONE_TRIP=config.max_registers is not None and k_per_split == config.block_k,
             GATED=gated,
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
