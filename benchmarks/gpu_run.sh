@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
-# Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL; at 5055e01 serving compiled two of them, so not adopted), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark; KERNELS_ONLY=decode, KERNELS_SWEEP=1, KERNELS_FP8_KV=1), ncu (Nsight Compute on profile_kernels.py's cases), layer (a decode layer's attention between its GEMVs; LAYER_PRESET), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
+# Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL; at 5055e01 serving compiled two of them, so not adopted), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark; KERNELS_ONLY=decode, KERNELS_SWEEP=1, KERNELS_FP8_KV=1), ncu (Nsight Compute on profile_kernels.py's cases), layer (bench_layer.py: whole decoder layers and their parts in CUDA graphs; LAYER_PRESET, LAYER_QUANT=fp8), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
 #         offline-8b (Llama-3-8B, 1000 x 1024/1024), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
 #         train-demo (the demo model, to $OUT/demo.tar.part-*; needs carry demo_corpus/{train,valid,chat}.txt,
 #         corpus.json, LICENSE-PSF.txt).
@@ -34,7 +34,8 @@ for stage in "$@"; do
           -k regex:"_attention_kernel|_skinny_mm_kernel" --launch-skip 1 --launch-count 1 \
           python3 benchmarks/profile_kernels.py "$case" 2>&1 | grep -v -e "^==PROF==" -e Warning
       done > "$OUT/ncu.txt"; grep -e "#####" -e "Duration" -e "Achieved Occupancy" -e "Registers Per" "$OUT/ncu.txt" ;;
-    layer) python3 benchmarks/bench_layer.py --preset ${LAYER_PRESET:-qwen3-0.6b} --out "$OUT/layer.json" 2>&1 | grep -v Warning | tail -8 ;;
+    layer) python3 benchmarks/bench_layer.py --preset ${LAYER_PRESET:-qwen3-0.6b} ${LAYER_QUANT:+--quantization $LAYER_QUANT} \
+             --out "$OUT/layer.json" 2>&1 | grep -v Warning | tail -8 ;;
     decode-small) python3 benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes ${DECODE_BATCHES:-1 8 64 256} --context 400 --profile \
              ${DECODE_MAX_MODEL_LEN:+--max-model-len $DECODE_MAX_MODEL_LEN} --out "$OUT/decode-qwen3-0.6b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
     decode-8b) python3 benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes ${DECODE_BATCHES:-1 8 64 256} --context 400 --profile \

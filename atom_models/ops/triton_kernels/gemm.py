@@ -627,6 +627,7 @@ def run_skinny_mm(
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
+    weight_first = k_per_split == config.block_k  # a slice is one tile (the norm or gating may have undone a split)
     n_tiles = triton.cdiv(n, config.block_n)
     part = tickets = out  # unused without a split
     if split_k > 1:
@@ -659,9 +660,8 @@ def run_skinny_mm(
             SPLIT=split_k > 1,
             USE_DOT=config.dot,
             PROLOGUE=prologue.kind if prologue is not None else NO_PROLOGUE,
-            WEIGHT_FIRST=k_per_split == config.block_k,
-            # a capped weight-first config compiles its one tile in one trip, unless the norm or gating undid its split
-            ONE_TRIP=config.max_registers is not None and k_per_split == config.block_k,
+            WEIGHT_FIRST=weight_first,
+            ONE_TRIP=weight_first and config.max_registers is not None,  # a capped weight-first config: its one tile
             GATED=gated,
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
