@@ -3,14 +3,14 @@
 FULL graphs:
 
 A pure-decode batch of `b` sequences is padded up to the smallest captured size and replays
-that size's graph: every kernel of the forward (compiled pieces and attention alike) in one
-launch, over the runner's persistent input buffers and KV cache, and each row's token drawn from the logits
-(`sample_rows`: the argmax, or a draw by the row's temperature, seed and position, also step inputs), which
-are the batch's samples unless a row's penalties or filters change the logits (no launch of its own after the
-graph). Prefill and mixed batches
-run outside the graphs, or through the PIECEWISE graphs below. All graphs are captured into one
-memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL and
-piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
+that size's graph: the tokens the step before sampled carried into the input ids (`carry_tokens`), every
+kernel of the forward (compiled pieces and attention alike) in one launch, over the runner's persistent input
+buffers and KV cache, and each row's token drawn from the logits (`sample_rows`: the argmax, or a draw by the
+row's temperature, seed and position, also step inputs) into the buffer the next replay carries from: the
+batch's samples unless a row's penalties or filters change the logits (no launch of its own around the graph).
+Prefill and mixed batches run outside the graphs, or through the PIECEWISE graphs below. All graphs are
+captured into one memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL
+and piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,16 +51,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None, progress: bool = True) -> None:
         sizes = sorted(sizes or self.sizes, reverse=True)
+        inputs = self.runner.inputs
         for size in tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress, file=sys.stderr):
-            args = self.runner._step_args(*self.runner.inputs.load([], pad_seqs_to=size))
-            draws = self.runner.inputs.draws(size)
-            sample_rows(self.runner.model.forward(*args), *draws)  # warm up: lazy initialisation stays out of the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.runner.model.forward(*args)
-                self.outputs[size] = logits, sample_rows(logits, *draws)
-            self.graphs[size] = graph
+            args = self.runner._step_args(*inputs.load([], pad_seqs_to=size))
+            draws = inputs.draws(size)
+            for capturing in (False, True):  # a warm-up first: lazy initialisation stays out of the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool) if capturing else nullcontext():
+                    inputs.carry_in_graph()
+                    logits = self.runner.model.forward(*args)
+                    drawn = sample_rows(logits, *draws, out=inputs.sampled[:size])
+                torch.cuda.synchronize()
+            self.graphs[size], self.outputs[size] = graph, (logits, drawn)
         torch.cuda.synchronize()
 
     def replay(self, size: int) -> tuple[Tensor, Tensor]:

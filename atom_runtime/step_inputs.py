@@ -1,30 +1,37 @@
 """Persistent input buffers for model steps.
 
-Every step writes its token ids, positions and attention metadata into pinned host
-buffers through numpy views, then copies them into device buffers that never move.
-Nothing is allocated per step, and a CUDA graph captured over these buffers replays with
-whatever the latest step wrote into them.
+Every step writes its token ids, positions, attention metadata and draws into a pinned host
+buffer through numpy views, then copies them to the device in one copy: the fields sit packed one
+after another (`step_layout`), each at an offset that depends on the step's counts (tokens,
+sequences, logits rows) alone. So a step of given counts finds its fields where the last step of
+those counts did: a CUDA graph captured for a decode batch size, or a piecewise graph for a
+token count (the per-token fields come first, their offsets set by the token count), replays
+with whatever the latest step wrote there. Nothing is allocated per step. Each small copy had
+cost the decode loop about 3 us of device time (its own and the gap before the next), five a step.
 
-Two sets of host buffers take turns: the host fills one for step N+1 while the copies of
+Block tables, large and mostly unchanged, live in a buffer of their own: only the rows whose table
+grew or changed since are copied, in runs (a row can be 10 KB at long context: 2.6 MB a step at batch 256).
+
+Two host sets take turns: the host fills one for step N+1 while the copies of
 step N may still be queued behind the GPU's work. A set is refilled only once the copies made from
 it have run (an event each): the host usually runs at most a step ahead, waiting for the tokens
 the step before sampled, but steps that sample nothing (the chunks of a long prompt) let it run
-further ahead. Tokens sampled by the step still in
-flight are not known on the host yet (they are PLACEHOLDER there); they are copied into
-this step's input ids on the device, from the previous step's sampled tensor.
-
-A copy the device buffer does not need is skipped: a field whose rows equal what was last copied
-(decode batches repeat their query offsets, logits rows and carry rows), and block-table rows whose
-table has not grown or changed since (a row can be 10 KB at long context: 2.6 MB a step at batch 256).
+further ahead. Tokens sampled by the step still in flight are not known on the host yet (they are
+PLACEHOLDER there); `carry_tokens` copies them into this step's input ids on the device, from the
+previous step's samples, inside the decode graph where one replays this step (the graphs draw into
+`sampled`, where the next replay reads them).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from atom_models.layers import AttentionMetadata
+from atom_models.ops.sampling import carry_tokens
 from atom_runtime.sampler import Draws
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import PLACEHOLDER
@@ -32,16 +39,25 @@ from atom_runtime.sequence import PLACEHOLDER
 # Block-table rows between two changed ones that one copy takes along rather than starting another: about what
 # a small host-to-device copy costs in launch and latency (~1.5 us at ~25 GB/s).
 TABLE_GAP_BYTES = 32 << 10
-# Fields a step often repeats (decode batches of one shape: query offsets, logits rows, carry rows), compared with
-# what the device holds; the others (ids, positions, slots, lengths) change every step and are copied unlooked.
-REPEATING_FIELDS = (
-    "query_start_loc",
-    "logits_indices",
-    "carry_to",
-    "carry_from",
-    "temperature",
-    "sample_seeds",
+# A step's fields in the order they are packed, with the count that sizes each: "tokens", "seqs", "starts" (seqs
+# + 1) or "logits" (rows sampled). Per-token fields first: their offsets depend on the token count alone.
+FIELDS: tuple[tuple[str, torch.dtype, str], ...] = (
+    ("input_ids", torch.int64, "tokens"),
+    ("positions", torch.int64, "tokens"),
+    ("slot_mapping", torch.int64, "tokens"),
+    ("seq_lens", torch.int32, "seqs"),
+    ("query_start_loc", torch.int32, "starts"),
+    ("carry_to", torch.int64, "seqs"),  # input rows whose token is still on the device (-1: none)...
+    ("carry_from", torch.int64, "seqs"),  # ...and their rows in the previous step's samples
+    ("logits_indices", torch.int64, "logits"),
+    # Each logits row's draw (see `atom_models.ops.sampling.sample_rows`): temperature (0: greedy), seed,
+    # and the position of the token it samples.
+    ("temperature", torch.float32, "logits"),
+    ("sample_seeds", torch.int64, "logits"),
+    ("sample_positions", torch.int32, "logits"),
 )
+# Each field starts 16-byte aligned, as a tensor of its own would: Triton and Inductor specialise kernels on it.
+ALIGN = 16
 # What a block-table row holds, as (the block-table list it was written from, how much of it): tables are only
 # ever extended in place or replaced, so the same list at the same length is the same row.
 UNKNOWN = (None, -1)
@@ -49,6 +65,18 @@ PADDING = (None, 0)  # a padded sequence's zeros
 # From this many sequences on, a step's inputs are written with numpy over the whole batch (the crossover
 # measured on CPU: below it, numpy's per-call overhead costs more than per-sequence scalar writes).
 VECTORIZE_FROM = 40
+LAYOUTS_KEPT = 1024  # step shapes whose views are kept (decode batch sizes, prefill token counts)
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def step_layout(tokens: int, seqs: int, logits: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where a step of these counts packs its fields: ({name: (byte offset, entries)}, bytes in all)."""
+    counts = {"tokens": tokens, "seqs": seqs, "starts": seqs + 1, "logits": logits}
+    fields, offset = {}, 0
+    for name, dtype, count in FIELDS:
+        fields[name] = (offset, counts[count])
+        offset += -(-counts[count] * dtype.itemsize // ALIGN) * ALIGN
+    return fields, offset
 
 
 class StepInputs:
@@ -60,48 +88,61 @@ class StepInputs:
         block_size: int,
         device: torch.device,
         host_sets: int | None = None,
+        device_buffers: bool | None = None,
     ):
-        """`host_sets`: pinned buffer sets the steps alternate between (default: two on a GPU, one on the CPU)."""
+        """`host_sets`: pinned buffer sets the steps alternate between (default: two on a GPU, one on the CPU).
+        `device_buffers`: whether the device has buffers of its own that steps copy into (default: on a GPU;
+        on the CPU the host buffers serve the model directly)."""
         self.block_size = block_size
         self.device = device
-        shapes = {
-            "input_ids": ((max_tokens,), torch.int64),
-            "positions": ((max_tokens,), torch.int64),
-            "slot_mapping": ((max_tokens,), torch.int64),
-            "block_tables": ((max_seqs, max_blocks_per_seq), torch.int32),
-            "seq_lens": ((max_seqs,), torch.int32),
-            "query_start_loc": ((max_seqs + 1,), torch.int32),
-            "logits_indices": ((max_seqs,), torch.int64),
-            "carry_to": ((max_seqs,), torch.int64),  # input positions whose token is still on the device...
-            "carry_from": ((max_seqs,), torch.int64),  # ...and their rows in the previous step's samples
-            # Each logits row's draw (see `atom_models.ops.sampling.sample_rows`): temperature (0: greedy), seed,
-            # and the position of the token it samples.
-            "temperature": ((max_seqs,), torch.float32),
-            "sample_seeds": ((max_seqs,), torch.int64),
-            "sample_positions": ((max_seqs,), torch.int32),
-        }
         pin = device.type == "cuda"
-
-        def host_set() -> dict[str, Tensor]:
-            return {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
-
-        self.hosts = [host_set() for _ in range(host_sets or (2 if pin else 1))]
-        self.copied = [torch.cuda.Event() if pin else None for _ in self.hosts]  # each set's copies have run
-        self.host_arrays = [{name: t.numpy() for name, t in host.items()} for host in self.hosts]  # views, made once
+        own = pin if device_buffers is None else device_buffers
+        sets = host_sets or (2 if pin else 1)
+        if not own and sets > 1:
+            raise ValueError("without device buffers of their own, the one host set is what the model reads")
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.capacity = step_layout(max_tokens, max_seqs, max_seqs)[1]
+        table_shape = (max_seqs, max_blocks_per_seq)
+        self.host_bytes = [torch.zeros(self.capacity, dtype=torch.uint8, pin_memory=pin) for _ in range(sets)]
+        self.host_blocks = [torch.zeros(table_shape, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
+        self.copied = [torch.cuda.Event() if pin else None for _ in range(sets)]  # each set's copies have run
         self.turn = 0
         # What each host set's block-table rows hold, and (below) the device's.
-        self.host_tables: list[list[tuple[list[int] | None, int]]] = [[UNKNOWN] * max_seqs for _ in self.hosts]
-        if device.type == "cpu":
-            self.gpu = self.hosts[0]
-        else:
-            self.gpu = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
-        self.max_tokens, self.max_seqs = max_tokens, max_seqs
-        self.table_gap_rows = TABLE_GAP_BYTES // self.hosts[0]["block_tables"][0].nbytes
-        self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
-        # What the device buffers hold: each repeating field's rows as last copied (None: unknown), and each
-        # block-table row's table.
-        self.device_fields: dict[str, np.ndarray | None] = dict.fromkeys(REPEATING_FIELDS)
+        self.host_tables: list[list[tuple[list[int] | None, int]]] = [[UNKNOWN] * max_seqs for _ in range(sets)]
         self.device_tables: list[tuple[list[int] | None, int]] = [UNKNOWN] * max_seqs
+        if own:
+            self.device_bytes = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
+            self.block_tables = torch.zeros(table_shape, dtype=torch.int32, device=device)
+        else:
+            self.device_bytes, self.block_tables = self.host_bytes[0], self.host_blocks[0]
+        # Each step's samples where a decode graph drew them, and where the next graph carries them from.
+        self.sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.table_gap_rows = TABLE_GAP_BYTES // self.host_blocks[0][0].nbytes
+        self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
+        self._views: dict[tuple[int, int, int], tuple[dict[str, Tensor], list[dict[str, np.ndarray]]]] = {}
+        self.shape = (0, 0, 0)  # (tokens, seqs, logits) of the step last loaded
+
+    def fields(self, tokens: int, seqs: int, logits: int) -> tuple[dict[str, Tensor], list[dict[str, np.ndarray]]]:
+        """A step shape's fields: views of the device buffer, and of each host set as numpy arrays (made once)."""
+        key = (tokens, seqs, logits)
+        views = self._views.get(key)
+        if views is None:
+            layout, size = step_layout(*key)
+            if size > self.capacity:
+                raise ValueError(f"a step of {tokens} tokens and {seqs} sequences exceeds the input buffers")
+            dtypes = {name: dtype for name, dtype, _ in FIELDS}
+
+            def view(buffer: Tensor, name: str) -> Tensor:
+                offset, n = layout[name]
+                return buffer[offset : offset + n * dtypes[name].itemsize].view(dtypes[name])
+
+            if len(self._views) >= LAYOUTS_KEPT:
+                self._views.clear()
+            views = self._views[key] = (
+                {name: view(self.device_bytes, name) for name in layout},
+                [{name: view(host, name).numpy() for name in layout} for host in self.host_bytes],
+            )
+        return views
 
     def load(
         self,
@@ -109,6 +150,7 @@ class StepInputs:
         pad_seqs_to: int | None = None,
         in_flight: Tensor | None = None,
         pad_tokens_to: int | None = None,
+        carried_by_graph: bool = False,
     ) -> tuple[int, int, int]:
         """Write one step; returns (tokens, seqs, logits) counts, padding included.
 
@@ -116,19 +158,29 @@ class StepInputs:
         nowhere (slot -1), read one cached position, and whose logits are discarded.
         `pad_tokens_to` (for PIECEWISE graphs) adds tokens of no sequence: they write nowhere and
         attention zeroes them. `in_flight` holds the token ids sampled by the previous step, for
-        sequences whose last token is a placeholder.
+        sequences whose last token is a placeholder: they are carried into the input ids now, or, with
+        `carried_by_graph`, by the decode graph that runs the step (from `sampled`).
         """
-        host, arrays, held = self.hosts[self.turn], self.host_arrays[self.turn], self.host_tables[self.turn]
-        copied = self.copied[self.turn]
+        num_seqs = len(chunks)
+        tokens = sum(c.num_tokens for c in chunks)
+        logits = sum(c.samples for c in chunks)
+        if pad_tokens_to is not None:
+            tokens = max(tokens, pad_tokens_to)
+        padded_seqs = max(num_seqs, pad_seqs_to or 0)
+        pad = padded_seqs - num_seqs
+        shape = (tokens + pad, padded_seqs, logits + pad)
+        fields, host_fields = self.fields(*shape)
+        arrays, held, copied = host_fields[self.turn], self.host_tables[self.turn], self.copied[self.turn]
+        tables = self.host_blocks[self.turn].numpy()
         if copied is not None:
             copied.synchronize()  # the copies of the step that last used this set (long done, as a rule)
-        num_seqs = len(chunks)
-        self._write_tables(chunks, arrays["block_tables"], held)
+        self._write_tables(chunks, tables, held)
         arrays["query_start_loc"][0] = 0
         if num_seqs < VECTORIZE_FROM:
-            t, logits, carried = self._write_each(chunks, arrays)
+            t, logits, carried = self._write_each(chunks, arrays, tables)
         else:
-            t, logits, carried = self._write_vectorized(chunks, arrays)
+            t, logits, carried = self._write_vectorized(chunks, arrays, tables)
+        arrays["carry_to"][carried:] = -1
         ids, pos, slots, qsl = (
             arrays["input_ids"],
             arrays["positions"],
@@ -140,28 +192,29 @@ class StepInputs:
             pos[t:pad_tokens_to] = 0
             slots[t:pad_tokens_to] = -1
             t = pad_tokens_to
-        if pad_seqs_to is not None and pad_seqs_to > num_seqs:
-            pad = pad_seqs_to - num_seqs
+        if pad:
             ids[t : t + pad] = 0
             pos[t : t + pad] = 0
             slots[t : t + pad] = -1
-            arrays["block_tables"][num_seqs:pad_seqs_to] = 0
-            held[num_seqs:pad_seqs_to] = [PADDING] * pad
-            arrays["seq_lens"][num_seqs:pad_seqs_to] = 1
-            qsl[num_seqs + 1 : pad_seqs_to + 1] = np.arange(t + 1, t + pad + 1)
+            tables[num_seqs:padded_seqs] = 0
+            held[num_seqs:padded_seqs] = [PADDING] * pad
+            arrays["seq_lens"][num_seqs:padded_seqs] = 1
+            qsl[num_seqs + 1 : padded_seqs + 1] = np.arange(t + 1, t + pad + 1)
             arrays["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
             arrays["temperature"][logits : logits + pad] = 0.0  # greedy: any seed, any position
-            t, num_seqs, logits = t + pad, pad_seqs_to, logits + pad
-        self.turn = (self.turn + 1) % len(self.hosts)
-        self._upload(host, arrays, t, num_seqs, logits, carried, held)
+        self._upload(step_layout(*shape)[1], padded_seqs, held)
+        self.turn = (self.turn + 1) % len(self.host_bytes)
         if copied is not None:
             copied.record()
+        self.shape = shape
         if carried:
             if in_flight is None:
                 raise RuntimeError("a sequence waits for a token that no step in flight is sampling")
-            rows = in_flight.index_select(0, self.gpu["carry_from"][:carried])
-            self.gpu["input_ids"].index_copy_(0, self.gpu["carry_to"][:carried], rows)
-        return t, num_seqs, logits
+            if not carried_by_graph:
+                carry_tokens(fields["input_ids"], fields["carry_to"], fields["carry_from"], in_flight)
+            elif in_flight.data_ptr() != self.sampled.data_ptr():  # sampled outside a graph: where the graph reads
+                self.sampled[: in_flight.shape[0]].copy_(in_flight)
+        return shape
 
     @staticmethod
     def _write_tables(chunks: list[ScheduledChunk], tables: np.ndarray, held: list[tuple]) -> None:
@@ -177,15 +230,12 @@ class StepInputs:
                 continue
             held[i] = (table, len(table))
 
-    def _write_each(self, chunks: list[ScheduledChunk], arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
+    def _write_each(
+        self, chunks: list[ScheduledChunk], arrays: dict[str, np.ndarray], tables: np.ndarray
+    ) -> tuple[int, int, int]:
         """Token rows one sequence at a time: for a few sequences, scalar writes beat numpy calls."""
         bs = self.block_size
-        ids, pos, slots, tables = (
-            arrays["input_ids"],
-            arrays["positions"],
-            arrays["slot_mapping"],
-            arrays["block_tables"],
-        )
+        ids, pos, slots = arrays["input_ids"], arrays["positions"], arrays["slot_mapping"]
         t = logits = carried = 0
         for i, chunk in enumerate(chunks):
             seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
@@ -213,7 +263,9 @@ class StepInputs:
                 logits += 1
         return t, logits, carried
 
-    def _write_vectorized(self, chunks: list[ScheduledChunk], arrays: dict[str, np.ndarray]) -> tuple[int, int, int]:
+    def _write_vectorized(
+        self, chunks: list[ScheduledChunk], arrays: dict[str, np.ndarray], tables: np.ndarray
+    ) -> tuple[int, int, int]:
         """Token rows for many sequences: each per-sequence value is gathered in one pass, the rest is numpy."""
         ids, pos = arrays["input_ids"], arrays["positions"]
         num_seqs = len(chunks)
@@ -234,7 +286,7 @@ class StepInputs:
             pos[:t] = self.iota[:t] - (ends - lens - starts)[rows]
             last = ends - 1
         positions = pos[:t]
-        blocks = arrays["block_tables"][rows, positions // self.block_size]
+        blocks = tables[rows, positions // self.block_size]
         arrays["slot_mapping"][:t] = blocks.astype(np.int64) * self.block_size + positions % self.block_size
         arrays["seq_lens"][:num_seqs] = positions[last] + 1
         arrays["query_start_loc"][1 : num_seqs + 1] = ends
@@ -255,42 +307,12 @@ class StepInputs:
         arrays["sample_positions"][:n] = positions[sampled] + 1
         return t, n, carried
 
-    def _upload(
-        self,
-        host: dict[str, Tensor],
-        arrays: dict[str, np.ndarray],
-        tokens: int,
-        seqs: int,
-        logits: int,
-        carried: int,
-        held: list[tuple],
-    ) -> None:
-        """Copy what the step reads and the device buffers lack (`held`: the host set's block-table rows)."""
-        if self.gpu is host:
+    def _upload(self, size: int, seqs: int, held: list[tuple]) -> None:
+        """Copy the step's `size` bytes of fields, and the block-table rows the device lacks (`held`: the host set's
+        rows), from the host set of this turn."""
+        if self.device_bytes is self.host_bytes[self.turn]:
             return
-        sizes = {
-            "input_ids": tokens,
-            "positions": tokens,
-            "slot_mapping": tokens,
-            "seq_lens": seqs,
-            "query_start_loc": seqs + 1,
-            "logits_indices": logits,
-            "temperature": logits,
-            "sample_seeds": logits,
-            "sample_positions": logits,
-            "carry_to": carried,
-            "carry_from": carried,
-        }
-        for name, n in sizes.items():
-            if not n:
-                continue
-            if name not in REPEATING_FIELDS:
-                self._copy(host, name, 0, n)
-                continue
-            known, rows = self.device_fields[name], arrays[name][:n]
-            if known is None or len(known) < n or not np.array_equal(known[:n], rows):
-                self._copy(host, name, 0, n)
-                self.device_fields[name] = rows.copy()
+        self.device_bytes[:size].copy_(self.host_bytes[self.turn][:size], non_blocking=True)
         # Block tables: the rows that changed (a table grows a block every block_size tokens, sequences on different
         # steps), in runs; rows between two changed ones are copied along while that costs less than a copy's
         # own overhead (TABLE_GAP_BYTES).
@@ -302,25 +324,30 @@ class StepInputs:
             while end < len(stale) and stale[end] - stale[end - 1] - 1 <= self.table_gap_rows:  # rows between
                 end += 1
             lo, hi = stale[start], stale[end - 1] + 1
-            self._copy(host, "block_tables", lo, hi)
+            self._copy_tables(lo, hi)
             device[lo:hi] = held[lo:hi]
             start = end
 
-    def _copy(self, host: dict[str, Tensor], name: str, lo: int, hi: int) -> None:
-        self.gpu[name][lo:hi].copy_(host[name][lo:hi], non_blocking=True)
+    def _copy_tables(self, lo: int, hi: int) -> None:
+        self.block_tables[lo:hi].copy_(self.host_blocks[self.turn][lo:hi], non_blocking=True)
+
+    def carry_in_graph(self) -> None:
+        """What a decode graph runs first: the carried tokens of the step last loaded, from `sampled`."""
+        fields = self.fields(*self.shape)[0]
+        carry_tokens(fields["input_ids"], fields["carry_to"], fields["carry_from"], self.sampled)
 
     def draws(self, logits: int) -> Draws:
-        """The first logits rows' draws, on the device."""
-        g = self.gpu
+        """The first logits rows' draws of the step last loaded, on the device."""
+        g = self.fields(*self.shape)[0]
         return Draws(g["temperature"][:logits], g["sample_seeds"][:logits], g["sample_positions"][:logits])
 
     def views(self, tokens: int, seqs: int, logits: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """(input_ids, positions, metadata, logits_indices) over the first rows of the device buffers."""
-        g = self.gpu
+        """(input_ids, positions, metadata, logits_indices) of a step of these counts, on the device."""
+        g = self.fields(tokens, seqs, logits)[0]
         meta = AttentionMetadata(
-            slot_mapping=g["slot_mapping"][:tokens],
-            block_tables=g["block_tables"][:seqs],
-            seq_lens=g["seq_lens"][:seqs],
-            query_start_loc=g["query_start_loc"][: seqs + 1],
+            slot_mapping=g["slot_mapping"],
+            block_tables=self.block_tables[:seqs],
+            seq_lens=g["seq_lens"],
+            query_start_loc=g["query_start_loc"],
         )
-        return g["input_ids"][:tokens], g["positions"][:tokens], meta, g["logits_indices"][:logits]
+        return g["input_ids"], g["positions"], meta, g["logits_indices"]

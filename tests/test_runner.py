@@ -12,7 +12,7 @@ from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import EngineConfig
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import PLACEHOLDER, Sequence
-from atom_runtime.step_inputs import StepInputs
+from atom_runtime.step_inputs import FIELDS, StepInputs, step_layout
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +204,14 @@ def test_step_inputs_wait_for_a_host_set_copies_before_refilling_it():
     seq = Sequence("s", 0, list(range(6)), SamplingParams())
     seq.block_table = [3, 4]
     calls: list[tuple[str, list[int]]] = []
+    positions = inputs.fields(2, 1, 1)[1][0]["positions"]  # both steps' shape: 2 tokens, 1 sequence, 1 sample
 
     class Event:  # records what the host set held when the runtime waited on, then re-armed, the event
         def synchronize(self):
-            calls.append(("wait", inputs.hosts[0]["positions"][:2].tolist()))
+            calls.append(("wait", positions.tolist()))
 
         def record(self):
-            calls.append(("record", inputs.hosts[0]["positions"][:2].tolist()))
+            calls.append(("record", positions.tolist()))
 
     inputs.copied = [Event()]
     inputs.load([ScheduledChunk(seq, 0, 2)])
@@ -218,61 +219,64 @@ def test_step_inputs_wait_for_a_host_set_copies_before_refilling_it():
     assert calls == [("wait", [0, 0]), ("record", [0, 1]), ("wait", [0, 1]), ("record", [2, 3])]
 
 
-def test_step_inputs_copy_only_what_the_device_lacks():
-    """With device buffers of their own (as on a GPU), the device holds every step's inputs, though a field equal
-    to what it holds and block-table rows whose table is unchanged are not copied again."""
-    inputs = StepInputs(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, block_size=8, device=torch.device("cpu"))
-    inputs.gpu = {name: torch.full_like(t, -7) for name, t in inputs.hosts[0].items()}  # not the host's buffers
-    copied: list[tuple[str, int, int]] = []
-    copy = inputs._copy
-    inputs._copy = lambda host, name, lo, hi: (copied.append((name, lo, hi)), copy(host, name, lo, hi))
+def test_step_layout_packs_fields_aligned_with_per_token_ones_first():
+    """A step's fields share one buffer (one copy a step), each 16-byte aligned as a tensor of its own would be
+    (kernels specialise on it); the per-token ones come first, placed by the token count alone (piecewise graphs
+    replay over them whatever the batch's sequences), and a step of the same counts finds them where they were."""
+    fields, size = step_layout(5, 3, 2)
+    assert all(offset % 16 == 0 for offset, _ in fields.values())
+    assert [fields[name][0] for name in ("input_ids", "positions", "slot_mapping")] == [0, 48, 96]
+    for seqs, logits in [(1, 1), (7, 0)]:
+        other = step_layout(5, seqs, logits)[0]
+        assert all(other[name] == fields[name] for name in ("input_ids", "positions", "slot_mapping"))
+    dtypes = {name: dtype for name, dtype, _ in FIELDS}
+    spans = sorted((offset, offset + n * dtypes[name].itemsize) for name, (offset, n) in fields.items())
+    assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans))
+    assert spans[-1][1] <= size
+    assert fields["query_start_loc"][1] == 4 and fields["temperature"][1] == 2
+
+
+def test_step_inputs_copy_the_fields_in_one_copy_and_only_changed_table_rows():
+    """With device buffers of their own (as on a GPU), the device holds every step's inputs after one copy of the
+    packed fields, and block-table rows whose table is unchanged are not copied again."""
+    inputs = StepInputs(32, 4, 8, block_size=8, device=torch.device("cpu"), device_buffers=True)
+    copied: list[tuple[int, int]] = []
+    copy_tables = inputs._copy_tables
+    inputs._copy_tables = lambda lo, hi: (copied.append((lo, hi)), copy_tables(lo, hi))
     seqs = [Sequence(f"s{i}", 0, list(range(5 + i)), SamplingParams()) for i in range(3)]
     for i, seq in enumerate(seqs):
         seq.block_table = [10 * i, 10 * i + 1]
 
     def step(chunks, pad=None):
         copied.clear()
-        tokens, num_seqs, logits = inputs.load(chunks, pad_seqs_to=pad)
-        host = inputs.hosts[0]
-        for name, n in [("input_ids", tokens), ("positions", tokens), ("slot_mapping", tokens)]:
-            assert torch.equal(inputs.gpu[name][:n], host[name][:n]), name
-        for name, n in [("block_tables", num_seqs), ("seq_lens", num_seqs), ("query_start_loc", num_seqs + 1)]:
-            assert torch.equal(inputs.gpu[name][:n], host[name][:n]), name
-        assert torch.equal(inputs.gpu["logits_indices"][:logits], host["logits_indices"][:logits])
-        return {name for name, _, _ in copied}, [(lo, hi) for name, lo, hi in copied if name == "block_tables"]
+        shape = inputs.load(chunks, pad_seqs_to=pad)
+        device, hosts = inputs.fields(*shape)
+        host = hosts[(inputs.turn - 1) % len(hosts)]
+        for name, values in device.items():
+            assert values.tolist() == host[name].tolist(), name
+        assert torch.equal(inputs.block_tables[: shape[1]], inputs.host_blocks[0][: shape[1]])
+        return list(copied)
 
     def decode(seq):
         seq.token_ids.append(len(seq.token_ids))
         return ScheduledChunk(seq, len(seq.token_ids) - 1, 1)
 
-    step([ScheduledChunk(seq, 0, len(seq.token_ids)) for seq in seqs])  # prefill
-    names, tables = step([decode(seq) for seq in seqs])
-    every_step = {"input_ids", "positions", "slot_mapping", "seq_lens", "sample_positions"}
-    assert names == every_step | {"logits_indices", "query_start_loc"}
-    names, tables = step([decode(seq) for seq in seqs])  # the same batch shape: offsets, logits rows, draws held
-    assert names == every_step and tables == []
+    assert step([ScheduledChunk(seq, 0, len(seq.token_ids)) for seq in seqs]) == [(0, 3)]  # prefill
+    assert step([decode(seq) for seq in seqs]) == []
     seqs[1].block_table.append(11)  # one table grows: its row alone
-    assert step([decode(seq) for seq in seqs])[1] == [(1, 2)]
+    assert step([decode(seq) for seq in seqs]) == [(1, 2)]
     seqs[0].block_table = [30, 31, 32]  # one is replaced, and the last sequence leaves (padding takes its row)
-    names, tables = step([decode(seq) for seq in seqs[:2]], pad=3)
-    assert tables == [(0, 3)]
-    assert step([decode(seq) for seq in seqs[:2]], pad=3)[1] == []
+    assert step([decode(seq) for seq in seqs[:2]], pad=3) == [(0, 3)]
+    assert step([decode(seq) for seq in seqs[:2]], pad=3) == []
 
 
 def test_step_inputs_copy_block_table_rows_in_runs():
     """Changed block-table rows far apart (long rows: 64 KB each here) are copied as separate runs, not as one copy
     over every row between them; near ones share a copy."""
-    inputs = StepInputs(max_tokens=8, max_seqs=6, max_blocks_per_seq=16384, block_size=8, device=torch.device("cpu"))
-    inputs.gpu = {name: torch.full_like(t, -7) for name, t in inputs.hosts[0].items()}
+    inputs = StepInputs(8, 6, 16384, block_size=8, device=torch.device("cpu"), device_buffers=True)
     copied: list[tuple[int, int]] = []
-    copy = inputs._copy
-
-    def recording_copy(host, name, lo, hi):
-        if name == "block_tables":
-            copied.append((lo, hi))
-        copy(host, name, lo, hi)
-
-    inputs._copy = recording_copy
+    copy_tables = inputs._copy_tables
+    inputs._copy_tables = lambda lo, hi: (copied.append((lo, hi)), copy_tables(lo, hi))
     seqs = [Sequence(f"s{i}", 0, [1, 2], SamplingParams()) for i in range(6)]
     for i, seq in enumerate(seqs):
         seq.block_table = [i]
@@ -284,7 +288,7 @@ def test_step_inputs_copy_block_table_rows_in_runs():
         seqs[i].block_table.append(10 + i)
     inputs.load(chunks)
     assert copied == [(0, 2), (4, 5)]
-    assert torch.equal(inputs.gpu["block_tables"][:6], inputs.hosts[0]["block_tables"][:6])
+    assert torch.equal(inputs.block_tables[:6], inputs.host_blocks[0][:6])
 
 
 @pytest.mark.parametrize("host_sets", [1, 2])
@@ -295,8 +299,8 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
     sequences), with device buffers of their own and one or two host sets."""
     rng = random.Random(host_sets)
     block_size, max_blocks, max_seqs, max_tokens = 4, 16, 48, 256
-    inputs = StepInputs(max_tokens, max_seqs, max_blocks, block_size, torch.device("cpu"), host_sets=host_sets)
-    inputs.gpu = {name: torch.full_like(t, -7) for name, t in inputs.hosts[0].items()}
+    cpu = torch.device("cpu")
+    inputs = StepInputs(max_tokens, max_seqs, max_blocks, block_size, cpu, host_sets=host_sets, device_buffers=True)
     blocks = itertools.count(1000)
     seqs = [
         Sequence(
@@ -337,9 +341,16 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
         decode_only = all(c.num_tokens == 1 for c in chunks)
         pad_seqs = len(chunks) + rng.randrange(0, 5) if decode_only and rng.random() < 0.5 else None
         pad_tokens = None if pad_seqs or rng.random() < 0.7 else sum(c.num_tokens for c in chunks) + rng.randrange(6)
-        inputs.load(
-            chunks, pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs), in_flight=in_flight, pad_tokens_to=pad_tokens
+        by_graph = bool(pad_seqs) and rng.random() < 0.5  # as a decode graph replays it: its first kernel carries
+        shape = inputs.load(
+            chunks,
+            pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs),
+            in_flight=in_flight,
+            pad_tokens_to=pad_tokens,
+            carried_by_graph=by_graph,
         )
+        if by_graph:
+            inputs.carry_in_graph()
         ids, positions, slots, lens, starts = [], [], [], [], [0]
         for chunk in chunks:
             seq = chunk.seq
@@ -350,17 +361,17 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
                 slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
             lens.append(chunk.start + chunk.num_tokens)
             starts.append(len(ids))
-        device = inputs.gpu
+        device = inputs.fields(*shape)[0]
         assert device["input_ids"][: len(ids)].tolist() == ids
         assert device["positions"][: len(ids)].tolist() == positions
         assert device["slot_mapping"][: len(ids)].tolist() == slots
         assert device["seq_lens"][: len(chunks)].tolist() == lens
         assert device["query_start_loc"][: len(starts)].tolist() == starts
         for row, chunk in enumerate(chunks):
-            assert device["block_tables"][row, : len(chunk.seq.block_table)].tolist() == chunk.seq.block_table
+            assert inputs.block_tables[row, : len(chunk.seq.block_table)].tolist() == chunk.seq.block_table
         if pad_seqs:
             padded = min(pad_seqs, max_seqs)
-            assert not device["block_tables"][len(chunks) : padded].any()
+            assert not inputs.block_tables[len(chunks) : padded].any()
             assert device["slot_mapping"][len(ids) : len(ids) + padded - len(chunks)].eq(-1).all()
         sampled = [starts[row + 1] - 1 for row, chunk in enumerate(chunks) if chunk.samples]
         assert device["logits_indices"][: len(sampled)].tolist() == sampled

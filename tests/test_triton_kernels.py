@@ -45,7 +45,7 @@ from atom_models.ops.quant import (
     silu_and_mul_quant_fp8_reference,
 )
 from atom_models.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_embedding_reference
-from atom_models.ops.sampling import sample_rows_reference
+from atom_models.ops.sampling import carry_tokens_reference, sample_rows_reference
 
 triton = pytest.importorskip("triton")
 from atom_models.ops.triton_kernels import (  # noqa: E402
@@ -214,6 +214,39 @@ def test_sample_rows_draws(rows, cols):
         sampling.sample_rows(strided, temperature, seeds, positions),
         sample_rows_reference(strided, temperature, seeds, positions),
     )
+
+
+def test_sample_rows_into_out():
+    """A decode graph draws into a buffer of its own (where the next replay carries its tokens from)."""
+    x = torch.randn(5, 3000, device=DEVICE)
+    draw = draws(5, 0.7)
+    buffer = torch.full((9,), -1, dtype=torch.int64, device=DEVICE)
+    assert sampling.sample_rows(x, *draw, out=buffer[:5]).data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:5], sample_rows_reference(x, *draw)) and buffer[5:].eq(-1).all()
+    assert torch.equal(sample_rows_reference(x, *draw, out=buffer[:5]), buffer[:5])
+    with pytest.raises(ValueError, match="5 contiguous int64 tokens"):
+        sampling.sample_rows(x, *draw, out=buffer[:4])
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_carry_tokens(n):
+    """Carried rows take their sampled token, in any order and across programs; rows of -1 change nothing."""
+    generator = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 1000, (n + 5,), generator=generator).to(DEVICE)
+    carry_to = torch.randperm(n + 5, generator=generator)[:n].to(DEVICE)
+    carry_to[torch.rand(n, generator=generator).to(DEVICE) < 0.3] = -1
+    carry_from = torch.randint(0, 2 * n, (n,), generator=generator).to(DEVICE)
+    sampled = torch.randint(5000, 6000, (2 * n,), generator=generator).to(DEVICE)
+    expected = ids.clone()
+    carry_tokens_reference(expected, carry_to, carry_from, sampled)
+    for i in range(n):  # the reference, spelled out
+        if carry_to[i] >= 0:
+            assert expected[carry_to[i]] == sampled[carry_from[i]]
+    untouched = torch.ones_like(ids, dtype=torch.bool)
+    untouched[carry_to[carry_to >= 0]] = False
+    assert torch.equal(expected[untouched], ids[untouched])
+    sampling.carry_tokens(ids, carry_to, carry_from, sampled)
+    assert torch.equal(ids, expected)
 
 
 @pytest.mark.parametrize("seed,position,column", [(35266, 7, 1415), (1, 26, 1058)])

@@ -1,8 +1,8 @@
 """Our own Triton kernels (attention, fused cache writes, ...) compiled at export and shipped.
 
 The compiled pieces carry Inductor's kernels inside them; the ops that run between pieces
-call atom's Triton kernels, which Triton compiles on first use (and the decode graphs' `sample_rows`
-after them). At export we run the artifact as serving will (its top graph over the compiled
+call atom's Triton kernels, which Triton compiles on first use (and the runtime's `sample_rows` and
+`carry_tokens` around them). At export we run the artifact as serving will (its top graph over the compiled
 pieces, whose output strides the kernels specialise on) over steps shaped like the runtime's
 (decode batches, prefill chunks, mixed), with `TRITON_CACHE_DIR` pointing into the artifact,
 so every kernel variant serving launches is compiled there; loading copies them into the
@@ -28,7 +28,7 @@ from atom_models.layers import AttentionMetadata
 from atom_models.llama import head_dim_of
 from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
-from atom_models.ops.sampling import sample_rows
+from atom_models.ops.sampling import carry_tokens, sample_rows
 
 TRITON_CACHE = "triton_cache"
 BLOCK_SIZE = 16  # the runtime's default block size
@@ -156,7 +156,8 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
                 if len(step):  # (a short max_model_len can empty a step); the decode graphs' draws, over the logits
                     rows = logits.shape[0]  # as the LM head gives them, with the step inputs' dtypes
                     draws = torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device)
-                    sample_rows(logits, *draws, torch.zeros(rows, dtype=torch.int32, device=device))
+                    tokens = sample_rows(logits, *draws, torch.zeros(rows, dtype=torch.int32, device=device))
+                    carry_tokens(input_ids, logits_indices, torch.arange(rows, device=device), tokens)  # next step's
         torch.cuda.synchronize()
 
 

@@ -30,11 +30,30 @@ SEED_MASK = (1 << 63) - 1  # seeds are int64 tensors: any Python int keys a requ
 NOISE_QUARTER = 512
 
 
-def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+def sample_rows(
+    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, out: Tensor | None = None
+) -> Tensor:
     """Each row's token (int64): where `temperature` is 0 its argmax (the first of equal values, a NaN first of
     all, as `torch.argmax`), elsewhere a draw from softmax(logits / temperature) by the row's int64 seed at the
-    row's sequence `position`; -inf logits are never drawn."""
-    return implementation("sample_rows", logits.device)(logits, temperature, seeds, positions)
+    row's sequence `position`; -inf logits are never drawn. Written into `out` where given (a decode graph's
+    tokens land where the next step's graph reads them: `carry_tokens`)."""
+    return implementation("sample_rows", logits.device)(logits, temperature, seeds, positions, out)
+
+
+def carry_tokens(input_ids: Tensor, carry_to: Tensor, carry_from: Tensor, sampled: Tensor) -> None:
+    """`input_ids[carry_to[i]] = sampled[carry_from[i]]` wherever `carry_to[i] >= 0`, in place.
+
+    A sequence's newest token may still be on the device when its next step is queued (the host knows it a step
+    later): it comes from the previous step's samples. A plain function, like `sample_rows`: the decode graphs
+    capture it ahead of the forward, and entries of -1 let one graph serve any mix of carried and known tokens.
+    """
+    implementation("carry_tokens", input_ids.device)(input_ids, carry_to, carry_from, sampled)
+
+
+@register_impl("carry_tokens", "torch")
+def carry_tokens_reference(input_ids: Tensor, carry_to: Tensor, carry_from: Tensor, sampled: Tensor) -> None:
+    carried = carry_to >= 0
+    input_ids[carry_to[carried]] = sampled[carry_from[carried]].to(input_ids.dtype)
 
 
 def philox_bits(seeds: Tensor, positions: Tensor, n_cols: int) -> Tensor:
@@ -57,7 +76,9 @@ def philox_bits(seeds: Tensor, positions: Tensor, n_cols: int) -> Tensor:
 
 
 @register_impl("sample_rows", "torch")
-def sample_rows_reference(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+def sample_rows_reference(
+    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, out: Tensor | None = None
+) -> Tensor:
     """The kernel's arithmetic in torch: a uniform in (0, 1) from the top 23 bits, E = -log(u), and the division
     rounded to nearest (the kernel's `div_rn`), so both draw the same token but for last-bit differences of log.
     23 bits, not 24: (2^24 - 1 + 0.5) * 2^-24 rounds to 1.0 in fp32, whose E = 0 gives a score of +inf (NaN at a
@@ -66,4 +87,5 @@ def sample_rows_reference(logits: Tensor, temperature: Tensor, seeds: Tensor, po
     t = temperature.float().unsqueeze(1)
     uniform = ((philox_bits(seeds, positions, x.shape[1]) >> 9).float() + 0.5) * 2.0**-23
     scores = x / torch.where(t > 0, t, 1.0) - torch.log(-torch.log(uniform))
-    return torch.where(t > 0, scores, x).argmax(dim=-1)
+    tokens = torch.where(t > 0, scores, x).argmax(dim=-1)
+    return tokens if out is None else out.copy_(tokens)

@@ -136,13 +136,18 @@ def _sample_kernel(
 
 
 @register_impl("sample_rows", "triton")
-def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+def sample_rows(
+    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, out: Tensor | None = None
+) -> Tensor:
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"sample_rows takes rows contiguous along the last dimension, got shape {tuple(logits.shape)}")
     rows, n_cols = logits.shape
     if not temperature.shape == seeds.shape == positions.shape == (rows,):
         raise ValueError(f"sample_rows takes a temperature, seed and position for each of the {rows} rows")
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or out.stride(0) != 1:
+        raise ValueError(f"sample_rows writes {rows} contiguous int64 tokens, got out of shape {tuple(out.shape)}")
     if rows == 0:
         return out
     if n_cols == 0:
@@ -167,3 +172,24 @@ def sample_rows(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: T
         num_warps=4,
     )
     return out
+
+
+CARRY_BLOCK = 128  # entries a program: one compiled variant whatever the batch
+
+
+@triton.jit(do_not_specialize=["n"])
+def _carry_kernel(ids_ptr, to_ptr, from_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    to = tl.load(to_ptr + offs, mask=offs < n, other=-1)
+    carried = to >= 0
+    source = tl.load(from_ptr + offs, mask=carried, other=0)
+    tl.store(ids_ptr + to, tl.load(sampled_ptr + source, mask=carried), mask=carried)
+
+
+@register_impl("carry_tokens", "triton")
+def carry_tokens(input_ids: Tensor, carry_to: Tensor, carry_from: Tensor, sampled: Tensor) -> None:
+    n = carry_to.shape[0]
+    if carry_from.shape != (n,) or input_ids.dtype != sampled.dtype:
+        raise ValueError("carry_tokens takes a source row for each target and tokens of the input ids' dtype")
+    if n:
+        _carry_kernel[(triton.cdiv(n, CARRY_BLOCK),)](input_ids, carry_to, carry_from, sampled, n, BLOCK=CARRY_BLOCK)
