@@ -3,11 +3,11 @@
 FULL graphs:
 
 A pure-decode batch of `b` sequences is padded up to the smallest captured size and replays
-that size's graph: the tokens the step before sampled carried into the input ids (`carry_tokens`), every
-kernel of the forward (compiled pieces and attention alike) in one launch, over the runner's persistent input
-buffers and KV cache, and each row's token drawn from the logits (`sample_rows`: the argmax, or a draw by the
-row's temperature, seed and position, also step inputs) into the buffer the next replay carries from: the
-batch's samples unless a row's penalties or filters change the logits (no launch of its own around the graph).
+that size's graph: every kernel of the forward (compiled pieces and attention alike) in one launch, over the
+runner's persistent input buffers and KV cache, and each row's token drawn from the logits (`sample_rows`: the
+argmax, or a draw by the row's temperature, seed and position, also step inputs): the batch's samples unless a
+row's penalties or filters change the logits (no launch of its own around the graph). They are drawn into the
+graph's input ids, where the next decode step of the batch reads them (see `atom_runtime.step_inputs`).
 Prefill and mixed batches run outside the graphs, or through the PIECEWISE graphs below. All graphs are
 captured into one memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL
 and piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
@@ -58,9 +58,8 @@ class DecodeGraphs:
             for capturing in (False, True):  # a warm-up first: lazy initialisation stays out of the graph
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool) if capturing else nullcontext():
-                    inputs.carry_in_graph()
                     logits = self.runner.model.forward(*args)
-                    drawn = sample_rows(logits, *draws, out=inputs.sampled[:size])
+                    drawn = sample_rows(logits, *draws, out=args[0])  # into the input ids (see StepInputs)
                 torch.cuda.synchronize()
             self.graphs[size], self.outputs[size] = graph, (logits, drawn)
         torch.cuda.synchronize()

@@ -230,7 +230,7 @@ class ModelRunner:
         graph_size = self.graphs.size_for(chunks) if self.graphs is not None else None
         drawn = None
         if graph_size is not None:
-            self.inputs.load(chunks, pad_seqs_to=graph_size, in_flight=previous, carried_by_graph=True)
+            self.inputs.load(chunks, pad_seqs_to=graph_size, in_flight=previous)
             logits, drawn = self.graphs.replay(graph_size)
         elif self.piecewise is not None:
             tokens = self.piecewise.size_for(sum(c.num_tokens for c in chunks))

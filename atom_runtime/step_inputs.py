@@ -17,9 +17,9 @@ step N may still be queued behind the GPU's work. A set is refilled only once th
 it have run (an event each): the host usually runs at most a step ahead, waiting for the tokens
 the step before sampled, but steps that sample nothing (the chunks of a long prompt) let it run
 further ahead. Tokens sampled by the step still in flight are not known on the host yet (they are
-PLACEHOLDER there); `carry_tokens` copies them into this step's input ids on the device, from the
-previous step's samples, inside the decode graph where one replays this step (the graphs draw into
-`sampled`, where the next replay reads them).
+PLACEHOLDER there). A decode graph draws them into its own input ids, so a batch of decodes that
+follows one, each sequence in its row, finds them in place and copies the other fields only; other
+steps take them from the previous step's samples (`carry_tokens`).
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ class StepInputs:
             self.block_tables = torch.zeros(table_shape, dtype=torch.int32, device=device)
         else:
             self.device_bytes, self.block_tables = self.host_bytes[0], self.host_blocks[0]
-        # Each step's samples where a decode graph drew them, and where the next graph carries them from.
-        self.sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        # In-flight tokens drawn into the input ids, put aside where the next step's upload overwrites them.
+        self.in_flight_copy = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.table_gap_rows = TABLE_GAP_BYTES // self.host_blocks[0][0].nbytes
         self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
         self._views: dict[tuple[int, int, int], tuple[dict[str, Tensor], list[dict[str, np.ndarray]]]] = {}
@@ -150,7 +150,6 @@ class StepInputs:
         pad_seqs_to: int | None = None,
         in_flight: Tensor | None = None,
         pad_tokens_to: int | None = None,
-        carried_by_graph: bool = False,
     ) -> tuple[int, int, int]:
         """Write one step; returns (tokens, seqs, logits) counts, padding included.
 
@@ -158,8 +157,7 @@ class StepInputs:
         nowhere (slot -1), read one cached position, and whose logits are discarded.
         `pad_tokens_to` (for PIECEWISE graphs) adds tokens of no sequence: they write nowhere and
         attention zeroes them. `in_flight` holds the token ids sampled by the previous step, for
-        sequences whose last token is a placeholder: they are carried into the input ids now, or, with
-        `carried_by_graph`, by the decode graph that runs the step (from `sampled`).
+        sequences whose last token is a placeholder (`carry_tokens` puts them in the input ids).
         """
         num_seqs = len(chunks)
         tokens = sum(c.num_tokens for c in chunks)
@@ -202,18 +200,26 @@ class StepInputs:
             qsl[num_seqs + 1 : padded_seqs + 1] = np.arange(t + 1, t + pad + 1)
             arrays["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
             arrays["temperature"][logits : logits + pad] = 0.0  # greedy: any seed, any position
-        self._upload(step_layout(*shape)[1], padded_seqs, held)
+        if carried and in_flight is None:
+            raise RuntimeError("a sequence waits for a token that no step in flight is sampling")
+        # A decode graph draws its tokens into its own input ids: where a batch of decodes finds each sequence's
+        # token in its own row (the same batch, or rows leaving from its end), the ids are in place already.
+        drawn_here = in_flight is not None and in_flight.data_ptr() == self.device_bytes.data_ptr()
+        in_place = (
+            drawn_here
+            and carried == num_seqs == t
+            and np.array_equal(arrays["carry_from"][:carried], self.iota[:carried])
+        )
+        if drawn_here and carried and not in_place:  # the upload overwrites them: aside first
+            in_flight = self.in_flight_copy[: in_flight.shape[0]].copy_(in_flight)
+        first = fields["positions"].data_ptr() - self.device_bytes.data_ptr() if in_place else 0
+        self._upload(first, step_layout(*shape)[1], padded_seqs, held)
         self.turn = (self.turn + 1) % len(self.host_bytes)
         if copied is not None:
             copied.record()
         self.shape = shape
-        if carried:
-            if in_flight is None:
-                raise RuntimeError("a sequence waits for a token that no step in flight is sampling")
-            if not carried_by_graph:
-                carry_tokens(fields["input_ids"], fields["carry_to"], fields["carry_from"], in_flight)
-            elif in_flight.data_ptr() != self.sampled.data_ptr():  # sampled outside a graph: where the graph reads
-                self.sampled[: in_flight.shape[0]].copy_(in_flight)
+        if carried and not in_place:
+            carry_tokens(fields["input_ids"], fields["carry_to"], fields["carry_from"], in_flight)
         return shape
 
     @staticmethod
@@ -307,12 +313,13 @@ class StepInputs:
         arrays["sample_positions"][:n] = positions[sampled] + 1
         return t, n, carried
 
-    def _upload(self, size: int, seqs: int, held: list[tuple]) -> None:
-        """Copy the step's `size` bytes of fields, and the block-table rows the device lacks (`held`: the host set's
-        rows), from the host set of this turn."""
-        if self.device_bytes is self.host_bytes[self.turn]:
+    def _upload(self, first: int, end: int, seqs: int, held: list[tuple]) -> None:
+        """Copy bytes [first, end) of the step's fields, and the block-table rows the device lacks (`held`: the host
+        set's rows), from the host set of this turn."""
+        host = self.host_bytes[self.turn]
+        if self.device_bytes is host:
             return
-        self.device_bytes[:size].copy_(self.host_bytes[self.turn][:size], non_blocking=True)
+        self.device_bytes[first:end].copy_(host[first:end], non_blocking=True)
         # Block tables: the rows that changed (a table grows a block every block_size tokens, sequences on different
         # steps), in runs; rows between two changed ones are copied along while that costs less than a copy's
         # own overhead (TABLE_GAP_BYTES).
@@ -330,11 +337,6 @@ class StepInputs:
 
     def _copy_tables(self, lo: int, hi: int) -> None:
         self.block_tables[lo:hi].copy_(self.host_blocks[self.turn][lo:hi], non_blocking=True)
-
-    def carry_in_graph(self) -> None:
-        """What a decode graph runs first: the carried tokens of the step last loaded, from `sampled`."""
-        fields = self.fields(*self.shape)[0]
-        carry_tokens(fields["input_ids"], fields["carry_to"], fields["carry_from"], self.sampled)
 
     def draws(self, logits: int) -> Draws:
         """The first logits rows' draws of the step last loaded, on the device."""

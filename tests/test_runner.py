@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from atom_models.ops.sampling import carry_tokens_reference as carry
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import EngineConfig
 from atom_runtime.scheduler import ScheduledChunk
@@ -270,6 +271,42 @@ def test_step_inputs_copy_the_fields_in_one_copy_and_only_changed_table_rows():
     assert step([decode(seq) for seq in seqs[:2]], pad=3) == []
 
 
+def test_step_inputs_find_tokens_a_decode_graph_drew_in_place(monkeypatch):
+    """A decode graph draws into its input ids: the next decode step of the batch, each sequence in its row (or
+    rows leaving from the end), copies the other fields only and carries nothing; a step whose rows moved puts the
+    drawn tokens aside before its upload overwrites them, then carries them."""
+    inputs = StepInputs(32, 4, 8, block_size=8, device=torch.device("cpu"), device_buffers=True)
+    carries = []
+    monkeypatch.setattr("atom_runtime.step_inputs.carry_tokens", lambda *args: (carries.append(args), carry(*args)))
+    seqs = [Sequence(f"s{i}", 0, [5, 6, 7], SamplingParams()) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i]
+
+    def decode(batch: list[Sequence], in_flight: torch.Tensor, rows_before: list[int]) -> torch.Tensor:
+        """One decode step whose tokens are `in_flight[rows_before]`; returns its input ids, with the tokens a
+        graph would draw into them."""
+        expected = in_flight[rows_before].tolist()
+        for seq, row in zip(batch, rows_before, strict=True):
+            seq.token_ids.append(PLACEHOLDER)
+            seq.sample_row = row
+        shape = inputs.load([ScheduledChunk(seq, len(seq.token_ids) - 1, 1) for seq in batch], in_flight=in_flight)
+        fields = inputs.fields(*shape)[0]
+        assert fields["input_ids"].tolist() == expected
+        assert fields["positions"].tolist() == [len(seq.token_ids) - 1 for seq in batch]
+        for seq, token in zip(batch, expected, strict=True):
+            seq.token_ids[-1] = token
+        return fields["input_ids"].copy_(torch.randint(100, 200, (len(batch),)))
+
+    drawn = decode(seqs, torch.tensor([41, 42, 43]), [0, 1, 2])  # another step's samples: carried
+    assert len(carries) == 1
+    for _ in range(2):  # the same batch: in place
+        drawn = decode(seqs, drawn, [0, 1, 2])
+    drawn = decode(seqs[:2], drawn, [0, 1])  # the last sequence left: still in place
+    assert len(carries) == 1
+    decode(seqs[1:2], drawn, [1])  # the first left: the second's token moves from row 1 to row 0
+    assert len(carries) == 2 and carries[-1][3].data_ptr() == inputs.in_flight_copy.data_ptr()
+
+
 def test_step_inputs_copy_block_table_rows_in_runs():
     """Changed block-table rows far apart (long rows: 64 KB each here) are copied as separate runs, not as one copy
     over every row between them; near ones share a copy."""
@@ -312,6 +349,7 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
         for i in range(60)
     ]
     computed = dict.fromkeys(seqs, 0)
+    drawn_into = None  # the last step's input ids, where a decode graph would have drawn its tokens
     for _ in range(400):
         for seq in seqs:
             if rng.random() < 0.03 or len(seq.token_ids) >= max_blocks * block_size:  # preempted: starts over
@@ -331,32 +369,31 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
             else:
                 seq.block_table.extend(grow)
             chunks.append(ScheduledChunk(seq, computed[seq], n))
-        in_flight = torch.randint(100, 200, (max_seqs,))
+        in_flight, carrying = torch.randint(100, 200, (max_seqs,)), 0.3
+        if drawn_into is not None and rng.random() < 0.5:  # as a decode graph draws: into its input ids
+            in_flight, carrying = drawn_into.copy_(torch.randint(100, 200, drawn_into.shape)), 0.9
+        drawn = in_flight.clone()  # what the step takes, before its upload may overwrite it
         known = {}  # tokens the host learns once the step has run
         for row, chunk in enumerate(chunks):
             last = chunk.start + chunk.num_tokens - 1
-            if last == len(chunk.seq.token_ids) - 1 and rng.random() < 0.3:
-                known[chunk.seq] = (last, int(in_flight[row]))
-                chunk.seq.token_ids[last], chunk.seq.sample_row = PLACEHOLDER, row
+            if last == len(chunk.seq.token_ids) - 1 and rng.random() < carrying:
+                # its row in the step before: mostly the same, as in a steady batch
+                before = row if row < len(in_flight) and rng.random() < 0.8 else rng.randrange(len(in_flight))
+                known[chunk.seq] = (last, int(drawn[before]))
+                chunk.seq.token_ids[last], chunk.seq.sample_row = PLACEHOLDER, before
         decode_only = all(c.num_tokens == 1 for c in chunks)
         pad_seqs = len(chunks) + rng.randrange(0, 5) if decode_only and rng.random() < 0.5 else None
         pad_tokens = None if pad_seqs or rng.random() < 0.7 else sum(c.num_tokens for c in chunks) + rng.randrange(6)
-        by_graph = bool(pad_seqs) and rng.random() < 0.5  # as a decode graph replays it: its first kernel carries
         shape = inputs.load(
-            chunks,
-            pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs),
-            in_flight=in_flight,
-            pad_tokens_to=pad_tokens,
-            carried_by_graph=by_graph,
+            chunks, pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs), in_flight=in_flight, pad_tokens_to=pad_tokens
         )
-        if by_graph:
-            inputs.carry_in_graph()
+        drawn_into = inputs.fields(*shape)[0]["input_ids"][: len(chunks)] if decode_only else None
         ids, positions, slots, lens, starts = [], [], [], [], [0]
         for chunk in chunks:
             seq = chunk.seq
             for p in range(chunk.start, chunk.start + chunk.num_tokens):
                 token = seq.token_ids[p]
-                ids.append(int(in_flight[seq.sample_row]) if token == PLACEHOLDER else token)
+                ids.append(int(drawn[seq.sample_row]) if token == PLACEHOLDER else token)
                 positions.append(p)
                 slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
             lens.append(chunk.start + chunk.num_tokens)
