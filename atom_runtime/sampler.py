@@ -32,9 +32,9 @@ class SampledTokens:
 class DeviceSample:
     """A step's samples still on the device; `to_host` waits for them.
 
-    `token_ids` may be a view of a decode graph's output (its drawn tokens), which the graph's next replay overwrites:
-    what reads it on the device (the copy `start_copy` queues, the next step's carried tokens) is queued before
-    that replay, in stream order."""
+    `token_ids` may be a view of a decode graph's output (its drawn tokens, in its input ids), which the next step's
+    upload or replay overwrites: what reads it on the device (the copy `start_copy` queues, the next step's carried
+    tokens) is queued before those, in stream order."""
 
     token_ids: Tensor
     logprob_token_ids: Tensor | None = None

@@ -35,8 +35,8 @@ def sample_rows(
 ) -> Tensor:
     """Each row's token (int64): where `temperature` is 0 its argmax (the first of equal values, a NaN first of
     all, as `torch.argmax`), elsewhere a draw from softmax(logits / temperature) by the row's int64 seed at the
-    row's sequence `position`; -inf logits are never drawn. Written into `out` where given (a decode graph's
-    tokens land where the next step's graph reads them: `carry_tokens`)."""
+    row's sequence `position`; -inf logits are never drawn. Written into `out` where given (a decode graph draws
+    into its own input ids, where the batch's next decode step reads them)."""
     return implementation("sample_rows", logits.device)(logits, temperature, seeds, positions, out)
 
 
@@ -44,8 +44,8 @@ def carry_tokens(input_ids: Tensor, carry_to: Tensor, carry_from: Tensor, sample
     """`input_ids[carry_to[i]] = sampled[carry_from[i]]` wherever `carry_to[i] >= 0`, in place.
 
     A sequence's newest token may still be on the device when its next step is queued (the host knows it a step
-    later): it comes from the previous step's samples. A plain function, like `sample_rows`: the decode graphs
-    capture it ahead of the forward, and entries of -1 let one graph serve any mix of carried and known tokens.
+    later): it comes from the previous step's samples. A plain function, like `sample_rows`, which the runtime
+    calls between steps; entries of -1 pad the targets to the step's sequence count.
     """
     implementation("carry_tokens", input_ids.device)(input_ids, carry_to, carry_from, sampled)
 
