@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,13 +55,17 @@ class DecodeGraphs:
         for size in tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress, file=sys.stderr):
             args = self.runner._step_args(*inputs.load([], pad_seqs_to=size))
             draws = inputs.draws(size)
-            for capturing in (False, True):  # a warm-up first: lazy initialisation stays out of the graph
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool) if capturing else nullcontext():
-                    logits = self.runner.model.forward(*args)
-                    drawn = sample_rows(logits, *draws, out=args[0])  # into the input ids (see StepInputs)
-                torch.cuda.synchronize()
-            self.graphs[size], self.outputs[size] = graph, (logits, drawn)
+
+            def step(args=args, draws=draws) -> tuple[Tensor, Tensor]:
+                logits = self.runner.model.forward(*args)
+                return logits, sample_rows(logits, *draws, out=args[0])  # into the input ids (see StepInputs)
+
+            step()  # warm up: lazy initialisation stays out of the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[size] = step()
+            self.graphs[size] = graph
         torch.cuda.synchronize()
 
     def replay(self, size: int) -> tuple[Tensor, Tensor]:

@@ -105,6 +105,7 @@ class StepInputs:
         table_shape = (max_seqs, max_blocks_per_seq)
         self.host_bytes = [torch.zeros(self.capacity, dtype=torch.uint8, pin_memory=pin) for _ in range(sets)]
         self.host_blocks = [torch.zeros(table_shape, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
+        self.host_block_arrays = [t.numpy() for t in self.host_blocks]  # views, made once
         self.copied = [torch.cuda.Event() if pin else None for _ in range(sets)]  # each set's copies have run
         self.turn = 0
         # What each host set's block-table rows hold, and (below) the device's.
@@ -169,7 +170,7 @@ class StepInputs:
         shape = (tokens + pad, padded_seqs, logits + pad)
         fields, host_fields = self.fields(*shape)
         arrays, held, copied = host_fields[self.turn], self.host_tables[self.turn], self.copied[self.turn]
-        tables = self.host_blocks[self.turn].numpy()
+        tables = self.host_block_arrays[self.turn]
         if copied is not None:
             copied.synchronize()  # the copies of the step that last used this set (long done, as a rule)
         self._write_tables(chunks, tables, held)
