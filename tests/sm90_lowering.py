@@ -169,16 +169,24 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     cache = FP8 if fp8_cache else BF16
     pointers = {"pos_ptr": I64, "slot_ptr": I64, "k_cache_ptr": cache, "v_cache_ptr": cache}
     pointers |= {name: BF16 for name in ("q_ptr", "k_ptr", "v_ptr", "q_w_ptr", "k_w_ptr", "q_out_ptr", "k_out_ptr")}
-    heads = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "Q_HEADS_P": 32, "KV_HEADS_P": 8, "HALF": 64, "HALF_P": 64}
-    for qk_norm in (False, True):
-        flags = {"ROPE": True, "QK_NORM": qk_norm, "K_OUT": False, "WRITE_CACHE": True}
-        constexprs = {**heads, "BLOCK_SIZE": 16, "IN_DTYPE": tl.bfloat16, "ACT_DTYPE": tl.bfloat16, **flags}
-        constexprs |= {"FP8_CACHE": fp8_cache, "HAS_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline}
-        for first in (False, True):  # a lone token lets attention launch before its wait
-            rope = constexprs | {"LAUNCH_NEXT_FIRST": first}
-            ptx = build(rotary_cache._rope_cache_kernel, pointers, rope, num_warps=4)
-            launched, waited = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
-            assert (0 <= launched < waited) == first and launched >= 0
+    for blocks in ((32, 8), (4, 1)):  # a token's heads in one program, or a KV head's a program (decode)
+        heads = {
+            "NUM_Q_HEADS": 32,
+            "NUM_KV_HEADS": 8,
+            "Q_BLOCK": blocks[0],
+            "KV_BLOCK": blocks[1],
+            "HALF": 64,
+            "HALF_P": 64,
+        }
+        for qk_norm in (False, True):
+            flags = {"ROPE": True, "QK_NORM": qk_norm, "K_OUT": False, "WRITE_CACHE": True}
+            constexprs = {**heads, "BLOCK_SIZE": 16, "IN_DTYPE": tl.bfloat16, "ACT_DTYPE": tl.bfloat16, **flags}
+            constexprs |= {"FP8_CACHE": fp8_cache, "HAS_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline}
+            for first in (False, True):  # a lone token lets attention launch before its wait
+                rope = constexprs | {"LAUNCH_NEXT_FIRST": first}
+                ptx = build(rotary_cache._rope_cache_kernel, pointers, rope, num_warps=4)
+                launched, waited = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+                assert (0 <= launched < waited) == first and launched >= 0
     pointers = {"q_ptr": BF16, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": BF16, "tickets_ptr": I32}
     pointers |= {"block_tables_ptr": I32, "seq_lens_ptr": I32, "query_start_loc_ptr": I32}
     config = attention.default_config(128)

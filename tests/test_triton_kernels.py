@@ -509,7 +509,10 @@ def rope_table(head_dim: int, max_positions: int = 300) -> torch.Tensor:
     return rope_cos_sin_cache(rope_inv_freq(head_dim, 10000.0, scaling), max_positions).to(DEVICE)
 
 
-ROPE_CASES = [(7, 4, 2, 16), (5, 3, 3, 32), (6, 8, 2, 12)] + ([(37, 32, 8, 128), (19, 16, 4, 64)] if CUDA else [])
+# (19 tokens: more than `head_programs` spreads, one program a token)
+ROPE_CASES = [(7, 4, 2, 16), (5, 3, 3, 32), (6, 8, 2, 12), (19, 4, 2, 16)] + (
+    [(37, 32, 8, 128), (19, 16, 4, 64)] if CUDA else []
+)
 
 
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", ROPE_CASES)

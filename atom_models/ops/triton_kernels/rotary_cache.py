@@ -1,4 +1,5 @@
-"""Rotary embedding and KV-cache writes, fused: one program handles every head of one token.
+"""Rotary embedding and KV-cache writes, fused: a program handles the heads of one token (all of them, or with
+few tokens a KV head and its query heads: `head_programs`).
 
 One kernel serves four ops, chosen by constexpr flags: `rotary_embedding` (rotate q and k),
 `reshape_and_cache` (k and v into the paged cache), `rope_and_cache` (rotate, then cache k
@@ -125,8 +126,8 @@ def _rope_cache_kernel(
     eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    Q_HEADS_P: tl.constexpr,
-    KV_HEADS_P: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -163,11 +164,11 @@ def _rope_cache_kernel(
     if LAUNCH_NEXT_FIRST:
         launch_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL, LAUNCH_NEXT=not LAUNCH_NEXT_FIRST)
-    kv_heads = tl.arange(0, KV_HEADS_P)
+    kv_heads = tl.program_id(1) * KV_BLOCK + tl.arange(0, KV_BLOCK)
     kv_mask = (kv_heads < NUM_KV_HEADS)[:, None] & col_mask[None, :]
     k1, k2 = _load_halves(k_ptr + t * stride_kt, kv_heads, cols, kv_mask, stride_kh, HALF)
     if ROPE:
-        q_heads = tl.arange(0, Q_HEADS_P)
+        q_heads = tl.program_id(1) * Q_BLOCK + tl.arange(0, Q_BLOCK)
         q_mask = (q_heads < NUM_Q_HEADS)[:, None] & col_mask[None, :]
         q1, q2 = _load_halves(q_ptr + t * stride_qt, q_heads, cols, q_mask, stride_qh, HALF)
         if QK_NORM:
@@ -192,6 +193,17 @@ def _rope_cache_kernel(
                 v1, v2 = _to_fp8_range(v1, v2, v_scale_ptr, HAS_SCALES)
             _store_halves(k_cache_ptr + offset, k1, k2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
             _store_halves(v_cache_ptr + offset, v1, v2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
+
+
+# Tokens up to which a token's heads are spread over several programs (one a KV head, its query heads with it).
+SPREAD_HEADS_MAX_TOKENS = 16
+
+
+def head_programs(num_tokens: int, num_kv_heads: int) -> int:
+    """Programs a token: a decode step's few tokens spread their heads over several, so each program's chain of
+    loads, norm, rotation and stores is short (it is on a small batch's critical path, between the qkv projection
+    and attention); many tokens fill the GPU with one program each."""
+    return num_kv_heads if num_tokens <= SPREAD_HEADS_MAX_TOKENS else 1
 
 
 def _unit_last(x: Tensor) -> Tensor:
@@ -235,8 +247,9 @@ def _rope_cache(
         k_scale, v_scale = kv_scales if has_scales else (unused, unused)
     q_w, k_w = norm_weights if norm_weights is not None else (unused, unused)
     heads_q = q.shape[1]
+    programs = head_programs(num_tokens, num_kv_heads)
     if num_tokens:
-        _rope_cache_kernel[(num_tokens,)](
+        _rope_cache_kernel[(num_tokens, programs)](
             positions if rope else unused,
             q,
             k,
@@ -268,8 +281,8 @@ def _rope_cache(
             eps,
             NUM_Q_HEADS=heads_q,
             NUM_KV_HEADS=num_kv_heads,
-            Q_HEADS_P=triton.next_power_of_2(heads_q),
-            KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
+            Q_BLOCK=triton.next_power_of_2(triton.cdiv(heads_q, programs)),
+            KV_BLOCK=triton.next_power_of_2(triton.cdiv(num_kv_heads, programs)),
             HALF=head_dim // 2,
             HALF_P=triton.next_power_of_2(head_dim // 2),
             BLOCK_SIZE=cache_block_size(kv_cache) if kv_cache is not None else 1,
