@@ -509,8 +509,8 @@ def rope_table(head_dim: int, max_positions: int = 300) -> torch.Tensor:
     return rope_cos_sin_cache(rope_inv_freq(head_dim, 10000.0, scaling), max_positions).to(DEVICE)
 
 
-# (19 tokens: more than `head_programs` spreads, one program a token)
-ROPE_CASES = [(7, 4, 2, 16), (5, 3, 3, 32), (6, 8, 2, 12), (19, 4, 2, 16)] + (
+# (one token: its heads spread over a program a KV head, see `head_programs`)
+ROPE_CASES = [(7, 4, 2, 16), (5, 3, 3, 32), (6, 8, 2, 12), (1, 4, 2, 16), (1, 7, 1, 32)] + (
     [(37, 32, 8, 128), (19, 16, 4, 64)] if CUDA else []
 )
 
@@ -527,12 +527,13 @@ def test_rotary_embedding(tokens, q_heads, kv_heads, head_dim):
 
 
 def kv_cache_and_slots(tokens: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
-    """A random (not zero) cache and scattered slots, two of them -1 (padding)."""
+    """A random (not zero) cache and scattered slots, two of them -1 (padding) where there are more than two."""
     num_blocks = tokens // block_size + 3
     cache = randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
-    slots[1] = -1
-    slots[-1] = -1
+    if tokens > 2:
+        slots[1] = -1
+        slots[-1] = -1
     return cache, slots
 
 
