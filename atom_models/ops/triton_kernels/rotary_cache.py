@@ -197,8 +197,8 @@ def _rope_cache_kernel(
 
 # Tokens up to which a token's heads are spread over several programs (one a KV head, its query heads with it).
 # One: Qwen3-0.6B batch 1 0.807 / 0.808 -> 0.803 / 0.805 ms a step (graph 0.802 / 0.801 -> 0.799 / 0.797), Llama-3-8B
-# FP8 even (3.480 / 3.479 graph either way); spreading a batch of 8 (64 programs) lost: 1.223 -> 1.281 ms (H100, two
-# rounds, sixteenth session).
+# FP8 even (graph 3.480 against 3.481); spreading a batch of 8 (64 programs) lost: 1.223 -> 1.281 ms, about what
+# letting attention launch early lost there (`LAUNCH_NEXT_FIRST`) (H100, two rounds, sixteenth session).
 SPREAD_HEADS_MAX_TOKENS = 1
 
 
