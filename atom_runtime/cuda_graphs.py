@@ -75,6 +75,7 @@ class DecodeGraphs:
     def replay(self, size: int) -> tuple[Tensor, Tensor]:
         """(logits, each row's drawn token): tokens come out of the graph, with no launch of their own."""
         self.graphs[size].replay()
+        self.runner.inputs.graph_drew(size)
         return self.outputs[size]
 
 

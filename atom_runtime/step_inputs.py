@@ -228,8 +228,6 @@ class StepInputs:
         if drawn_here and carried and not in_place:  # the upload overwrites them: aside first
             in_flight = self.in_flight_copy[: in_flight.shape[0]].copy_(in_flight)
         first = fields["positions"].data_ptr() - self.device_bytes.data_ptr() if in_place else 0
-        if in_place:  # a decode graph drew here, and moved its fields on
-            self._advance_mirror()
         self._upload(first, step_layout(*shape)[1], padded_seqs, held, shape, may_skip=in_place)
         self.turn = (self.turn + 1) % len(self.host_bytes)
         if copied is not None:
@@ -330,9 +328,11 @@ class StepInputs:
         arrays["sample_positions"][:n] = positions[sampled] + 1
         return t, n, carried
 
-    def _advance_mirror(self) -> None:
-        """Move the mirror's fields on as a decode graph's draw (`sample_rows`' `advance`) moved the device's."""
-        if self.mirror_shape is None:
+    def graph_drew(self, size: int) -> None:
+        """A decode graph of `size` sequences ran: move the mirror's fields on as its draw (`sample_rows`' `advance`)
+        moved the device's."""
+        if self.mirror_shape != (size, size, size):  # not the step last loaded: the mirror is stale
+            self.mirror_shape = None
             return
         layout = step_layout(*self.mirror_shape)[0]
 

@@ -31,6 +31,7 @@ from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import Sequence
 
 PHASES = ("schedule", "launch", "wait", "finish")
+REPLAY_ROOM = 128  # tokens a sequence's timed graph replays may move on (each one's draw advances the inputs)
 
 
 def head_start_steps(num_prompts: int, context: int, budget: int) -> int:
@@ -190,18 +191,20 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
 def decode_graph_inputs(llm: LLM, batch: int, context: int) -> Iterator[bool]:
     """Load the runner's inputs for a decode step of `batch` sequences of `context` tokens (False if no graph).
 
-    Their KV-cache blocks are allocated (random content) and freed on exit.
+    Their KV-cache blocks are allocated (random content) and freed on exit, with room for REPLAY_ROOM more tokens:
+    each replay's draw moves the inputs a token on (`sample_rows`' `advance`), as decoding does.
     """
     core = llm.engine.core
     runner, blocks = core.runner, core.block_manager
     if runner.graphs is None or batch not in runner.graphs.graphs:
         yield False
         return
-    seqs = [Sequence(f"graph-{i}", 0, [0] * context, SamplingParams()) for i in range(batch)]
+    seqs = [Sequence(f"graph-{i}", 0, [0] * (context + REPLAY_ROOM), SamplingParams()) for i in range(batch)]
     try:
         for seq in seqs:
-            if not blocks.allocate(seq, context):
+            if not blocks.allocate(seq, context + REPLAY_ROOM):
                 raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
+            del seq.token_ids[context:]  # the room stays allocated
         runner.inputs.load([ScheduledChunk(s, context - 1, 1) for s in seqs], pad_seqs_to=batch)
         yield True
     finally:

@@ -314,6 +314,7 @@ def draw_as_a_decode_graph(inputs: StepInputs, shape: tuple[int, int, int]) -> t
     returned, and its positions, slots, lengths and draw positions one token on (`sample_rows`' `advance`)."""
     fields = inputs.fields(*shape)[0]
     advance_decode_inputs(fields["sample_positions"], (fields["positions"], fields["slot_mapping"], fields["seq_lens"]))
+    inputs.graph_drew(shape[1])
     return fields["input_ids"].copy_(torch.randint(100, 200, fields["input_ids"].shape))
 
 
