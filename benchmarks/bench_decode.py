@@ -376,6 +376,7 @@ def main() -> None:
         + args.steps
         + head_start_steps(max(args.batch_sizes), args.context, EngineConfig().max_num_batched_tokens)
         + 16
+        + REPLAY_ROOM  # the graph replays' (`decode_graph_inputs`)
     )
     if args.max_model_len is not None and args.max_model_len < needed:
         parser.error(f"--max-model-len must be at least {needed} for this context and step count")

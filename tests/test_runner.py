@@ -517,6 +517,24 @@ def test_sampler_takes_a_steps_draws_only_over_unchanged_unfiltered_logits():
     assert sample(logits, mixed, given) == [1, 0]
 
 
+def test_a_row_drawn_again_after_a_decode_graph_draws_at_the_graphs_positions():
+    """A decode graph's draw moves the draw positions one on (`sample_rows`' `advance`): a row the sampler draws
+    again (filtered, penalised) must draw as the same row drawn outside a graph at the positions before the move."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 500) * 3
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=1),
+        SamplingParams(temperature=0.8, seed=2, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, seed=3),
+    ]
+    for i in range(2):  # the rows drawn again: filtered, penalised
+        seqs = [Sequence(str(i), 0, [1, 2], p) for p in (params[i], params[2])]
+        eager = sample(logits[[i, 2]], seqs, position=40)
+        graph_drawn = torch.tensor([7, sample(logits[[2]], seqs[1:], position=40)[0]])
+        assert sample(logits[[i, 2]], seqs, graph_drawn, position=41) == eager
+        assert sample(logits[[i, 2]], seqs, graph_drawn, position=40) != eager  # (the positions do matter)
+
+
 def test_greedy_rows_of_a_sampled_batch_take_the_first_of_equal_largest_logits():
     """As torch.argmax and the decode graphs do, whatever top-p's (unstable) sort does with the ties."""
     logits = torch.zeros(2, 64)
