@@ -110,6 +110,8 @@ class StepInputs:
         self.capacity = step_layout(max_tokens, max_seqs, max_seqs)[1]
         table_shape = (max_seqs, max_blocks_per_seq)
         self.host_bytes = [torch.zeros(self.capacity, dtype=torch.uint8, pin_memory=pin) for _ in range(sets)]
+        self.host_arrays = [h.numpy() for h in self.host_bytes]  # views, made once
+        self.host_shapes: list[tuple[int, int, int] | None] = [None] * sets  # the step shape each set last held
         self.host_blocks = [torch.zeros(table_shape, dtype=torch.int32, pin_memory=pin) for _ in range(sets)]
         self.host_block_arrays = [t.numpy() for t in self.host_blocks]  # views, made once
         self.copied = [torch.cuda.Event() if pin else None for _ in range(sets)]  # each set's copies have run
@@ -121,6 +123,7 @@ class StepInputs:
         # moved on as a decode graph's draw moves it.
         self.device_mirror = np.zeros(self.capacity, dtype=np.uint8)
         self.mirror_shape: tuple[int, int, int] | None = None  # the step shape whose fields the mirror holds
+        self._moving: dict[tuple[int, int, int], list[np.ndarray]] = {}  # a shape's slots, then the fields that move
         self.skipped_uploads = 0  # steps whose fields the device held already (for tests and benchmarks)
         if own:
             self.device_bytes = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
@@ -184,6 +187,9 @@ class StepInputs:
         tables = self.host_block_arrays[self.turn]
         if copied is not None:
             copied.synchronize()  # the copies of the step that last used this set (long done, as a rule)
+        if self.host_shapes[self.turn] != shape:  # zero gaps between fields: a step of this shape compares them all
+            self.host_arrays[self.turn][: step_layout(*shape)[1]] = 0
+            self.host_shapes[self.turn] = shape
         self._write_tables(chunks, tables, held)
         arrays["query_start_loc"][0] = 0
         if num_seqs < VECTORIZE_FROM:
@@ -331,20 +337,20 @@ class StepInputs:
     def graph_drew(self, size: int) -> None:
         """A decode graph of `size` sequences ran: move the mirror's fields on as its draw (`sample_rows`' `advance`)
         moved the device's."""
-        if self.mirror_shape != (size, size, size):  # not the step last loaded: the mirror is stale
+        shape = (size, size, size)
+        if self.mirror_shape != shape:  # not the step last loaded: the mirror is stale
             self.mirror_shape = None
             return
-        layout = step_layout(*self.mirror_shape)[0]
-
-        def field(name: str) -> np.ndarray:
-            offset, n = layout[name]
-            dtype = NUMPY_DTYPES[name]
-            return self.device_mirror[offset : offset + n * dtype.itemsize].view(dtype)
-
-        step = field("slot_mapping") >= 0
-        for name in ("positions", "slot_mapping", "seq_lens", "sample_positions"):
-            values = field(name)
-            values += step.astype(values.dtype)
+        moving = self._moving.get(shape)
+        if moving is None:
+            layout = step_layout(*shape)[0]
+            moving = self._moving[shape] = [
+                self.device_mirror[layout[name][0] :][: size * NUMPY_DTYPES[name].itemsize].view(NUMPY_DTYPES[name])
+                for name in ("slot_mapping", "positions", "seq_lens", "sample_positions")
+            ]
+        step = moving[0] >= 0
+        for field in moving:
+            field += step
 
     def _upload(
         self, first: int, end: int, seqs: int, held: list[tuple], shape: tuple[int, int, int], may_skip: bool
@@ -355,11 +361,12 @@ class StepInputs:
         host = self.host_bytes[self.turn]
         if self.device_bytes is host:
             return
-        if may_skip and shape == self.mirror_shape and self._device_holds(first, shape):
+        fresh, mirror = self.host_arrays[self.turn][first:end], self.device_mirror[first:end]
+        if may_skip and shape == self.mirror_shape and fresh.data == mirror.data:  # gaps included: zero in both
             self.skipped_uploads += 1
         else:
             self.device_bytes[first:end].copy_(host[first:end], non_blocking=True)
-            self.device_mirror[first:end] = host[first:end].numpy()
+            mirror[:] = fresh
             self.mirror_shape = shape
         # Block tables: the rows that changed (a table grows a block every block_size tokens, sequences on different
         # steps), in runs; rows between two changed ones are copied along while that costs less than a copy's
@@ -375,16 +382,6 @@ class StepInputs:
             self._copy_tables(lo, hi)
             device[lo:hi] = held[lo:hi]
             start = end
-
-    def _device_holds(self, first: int, shape: tuple[int, int, int]) -> bool:
-        """Whether the device's fields from byte `first` on hold this turn's (field by field: the alignment gaps
-        between them are never written)."""
-        host = self.host_bytes[self.turn].numpy()
-        for name, (offset, n) in step_layout(*shape)[0].items():
-            end = offset + n * NUMPY_DTYPES[name].itemsize
-            if offset >= first and not np.array_equal(host[offset:end], self.device_mirror[offset:end]):
-                return False
-        return True
 
     def _copy_tables(self, lo: int, hi: int) -> None:
         self.block_tables[lo:hi].copy_(self.host_blocks[self.turn][lo:hi], non_blocking=True)
