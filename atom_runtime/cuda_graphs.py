@@ -7,7 +7,8 @@ that size's graph: every kernel of the forward (compiled pieces and attention al
 runner's persistent input buffers and KV cache, and each row's token drawn from the logits (`sample_rows`: the
 argmax, or a draw by the row's temperature, seed and position, also step inputs): the batch's samples unless a
 row's penalties or filters change the logits (no launch of its own around the graph). They are drawn into the
-graph's input ids, where the next decode step of the batch reads them (see `atom_runtime.step_inputs`).
+graph's input ids, where the next decode step of the batch reads them, and the draw moves the graph's positions,
+slots and lengths one token on, so that step usually copies nothing (see `atom_runtime.step_inputs`).
 Prefill and mixed batches run outside the graphs, or through the PIECEWISE graphs below. All graphs are
 captured into one memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL
 and piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
@@ -57,8 +58,11 @@ class DecodeGraphs:
             draws = inputs.draws(size)
 
             def step(args=args, draws=draws) -> tuple[Tensor, Tensor]:
+                input_ids, positions, _, meta, _ = args
                 logits = self.runner.model.forward(*args)
-                return logits, sample_rows(logits, *draws, out=args[0])  # into the input ids (see StepInputs)
+                # into the input ids, and the inputs one token on, as the batch's next step finds them (StepInputs)
+                advance = (positions, meta.slot_mapping, meta.seq_lens)
+                return logits, sample_rows(logits, *draws, out=input_ids, advance=advance)
 
             step()  # warm up: lazy initialisation stays out of the graph
             torch.cuda.synchronize()
@@ -71,6 +75,7 @@ class DecodeGraphs:
     def replay(self, size: int) -> tuple[Tensor, Tensor]:
         """(logits, each row's drawn token): tokens come out of the graph, with no launch of their own."""
         self.graphs[size].replay()
+        self.runner.inputs.graph_drew(size)
         return self.outputs[size]
 
 

@@ -99,14 +99,18 @@ class Sampler:
     def __call__(self, logits: Tensor, seqs: list[Sequence], draws: Draws, drawn: Tensor | None = None) -> DeviceSample:
         """Sample one token per row; nothing here waits for the device. `drawn`: each row's `sample_rows` over
         `logits` by `draws`, where the step made it already (a decode graph does): the batch's tokens, unless
-        penalties or min_tokens change the logits or a row filters them (top-k, top-p, min-p)."""
+        penalties or min_tokens change the logits or a row filters them (top-k, top-p, min-p). That draw moved the
+        positions in `draws` one token on (`sample_rows`' `advance`): rows drawn again here take them one back."""
         params = [s.params for s in seqs]
         raw_logits = logits
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
         if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
             logits = self._block_stop_tokens(logits.clone() if logits is raw_logits else logits, seqs)
-        if any(p.filters for p in params):
+        filtered = any(p.filters for p in params)
+        if drawn is not None and (filtered or logits is not raw_logits):  # drawn again, where the graph's draw was
+            draws = draws._replace(positions=draws.positions - 1)
+        if filtered:
             sampled = self._filtered_draw(logits, params, draws)
         elif drawn is not None and logits is raw_logits:
             sampled = drawn

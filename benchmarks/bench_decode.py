@@ -31,6 +31,7 @@ from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import Sequence
 
 PHASES = ("schedule", "launch", "wait", "finish")
+REPLAY_ROOM = 128  # tokens a sequence's timed graph replays may move on (each one's draw advances the inputs)
 
 
 def head_start_steps(num_prompts: int, context: int, budget: int) -> int:
@@ -187,21 +188,27 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
 
 
 @contextlib.contextmanager
-def decode_graph_inputs(llm: LLM, batch: int, context: int) -> Iterator[bool]:
-    """Load the runner's inputs for a decode step of `batch` sequences of `context` tokens (False if no graph).
+def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Iterator[bool]:
+    """Load the runner's inputs for a decode step of `batch` sequences (False if no graph) for `replays` replays.
 
-    Their KV-cache blocks are allocated (random content) and freed on exit.
+    Each replay's draw moves the inputs a token on (`sample_rows`' `advance`), as decoding does: the sequences start
+    `replays // 2` tokens short of `context`, so the replays' contexts centre on it. Their KV-cache blocks are
+    allocated (random content) for REPLAY_ROOM tokens more and freed on exit.
     """
+    if replays > REPLAY_ROOM:
+        raise ValueError(f"at most {REPLAY_ROOM} replays a load, got {replays}")
+    context = max(1, context - replays // 2)
     core = llm.engine.core
     runner, blocks = core.runner, core.block_manager
     if runner.graphs is None or batch not in runner.graphs.graphs:
         yield False
         return
-    seqs = [Sequence(f"graph-{i}", 0, [0] * context, SamplingParams()) for i in range(batch)]
+    seqs = [Sequence(f"graph-{i}", 0, [0] * (context + REPLAY_ROOM), SamplingParams()) for i in range(batch)]
     try:
         for seq in seqs:
-            if not blocks.allocate(seq, context):
+            if not blocks.allocate(seq, context + REPLAY_ROOM):
                 raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
+            del seq.token_ids[context:]  # the room stays allocated
         runner.inputs.load([ScheduledChunk(s, context - 1, 1) for s in seqs], pad_seqs_to=batch)
         yield True
     finally:
@@ -210,12 +217,12 @@ def decode_graph_inputs(llm: LLM, batch: int, context: int) -> Iterator[bool]:
 
 
 def graph_step_ms(llm: LLM, batch: int, context: int, reps: int = 50) -> float | None:
-    """Replay time of the batch-`batch` decode graph with every sequence `context` tokens long.
+    """Replay time of the batch-`batch` decode graph, its sequences' contexts centred on `context` tokens.
 
     The GPU time an engine step at that context cannot go below (its KV-cache reads included).
     """
     graphs = llm.engine.core.runner.graphs
-    with decode_graph_inputs(llm, batch, context) as loaded:
+    with decode_graph_inputs(llm, batch, context, 5 + reps) as loaded:
         if not loaded:
             return None
         for _ in range(5):
@@ -315,7 +322,7 @@ def profile_graph(llm: LLM, batch: int, context: int, out: Path, reps: int = 20)
     time of a real step) and writes the table to `out`.
     """
     graphs = llm.engine.core.runner.graphs
-    with decode_graph_inputs(llm, batch, context) as loaded:
+    with decode_graph_inputs(llm, batch, context, 5 + reps) as loaded:
         if not loaded:
             return {"error": f"no decode graph of batch {batch}"}
         for _ in range(5):
@@ -373,6 +380,7 @@ def main() -> None:
         + args.steps
         + head_start_steps(max(args.batch_sizes), args.context, EngineConfig().max_num_batched_tokens)
         + 16
+        + REPLAY_ROOM  # the graph replays' (`decode_graph_inputs`)
     )
     if args.max_model_len is not None and args.max_model_len < needed:
         parser.error(f"--max-model-len must be at least {needed} for this context and step count")

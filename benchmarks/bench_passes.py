@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from bench_common import device_name, dummy_artifact, print_table, write_json
-from bench_decode import graph_step_ms, timed_decode
+from bench_decode import REPLAY_ROOM, graph_step_ms, timed_decode
 
 from atom_compile.passes import DEFAULT_PIPELINE
 from atom_runtime import LLM
@@ -30,7 +30,7 @@ def decode_ms(artifact: Path, batch_sizes: list[int], context: int, steps: int) 
     llm = LLM(
         artifact,
         max_num_seqs=max(batch_sizes),
-        max_model_len=context + 2 * steps + 64,
+        max_model_len=context + 2 * steps + 64 + REPLAY_ROOM,
         enable_prefix_caching=False,
         cudagraph_capture_sizes=batch_sizes,
     )

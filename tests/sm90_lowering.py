@@ -96,7 +96,9 @@ for block, group in [(1024, 1024), (1024, 128), (4096, 128), (64, 64)]:
 for splits in (1, 75):  # one slice a row (no merge), and Qwen3's 151,936-wide rows
     sample = {"SPLITS": splits, "SPLITS_P": triton.next_power_of_2(splits), "QUARTER": sampling.NOISE_QUARTER}
     pointers = {"seed_ptr": I64, "position_ptr": I32, "out_ptr": I64, "part_index_ptr": I32, "ticket_ptr": I32}
-    build(sampling._sample_kernel, pointers, sample, num_warps=4)
+    pointers |= {"token_position_ptr": I64, "slot_ptr": I64, "seq_len_ptr": I32}
+    for advance in (False, True):  # and as a decode graph draws: moving its inputs on
+        build(sampling._sample_kernel, pointers, {**sample, "ADVANCE": advance}, num_warps=4)
 
 fp8_gemm = {"x_ptr": FP8, "w_ptr": FP8, "out_ptr": BF16, "ticket_ptr": "*i32"}
 blocks = {"SCALE_N": 128, "SCALE_K": 128, "SCALE_ALONG_K": True, "HAS_BIAS": False}

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from atom_models.ops.sampling import advance_decode_inputs
 from atom_models.ops.sampling import carry_tokens_reference as carry
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import EngineConfig
@@ -295,16 +296,57 @@ def test_step_inputs_find_tokens_a_decode_graph_drew_in_place(monkeypatch):
         assert fields["positions"].tolist() == [len(seq.token_ids) - 1 for seq in batch]
         for seq, token in zip(batch, expected, strict=True):
             seq.token_ids[-1] = token
-        return fields["input_ids"].copy_(torch.randint(100, 200, (len(batch),)))
+        return draw_as_a_decode_graph(inputs, shape)
 
     drawn = decode(seqs, torch.tensor([41, 42, 43]), [0, 1, 2])  # another step's samples: carried
     assert len(carries) == 1
-    for _ in range(2):  # the same batch: in place
+    for _ in range(2):  # the same batch: in place, and its fields moved on by the draw: nothing copied
         drawn = decode(seqs, drawn, [0, 1, 2])
-    drawn = decode(seqs[:2], drawn, [0, 1])  # the last sequence left: still in place
-    assert len(carries) == 1
+    assert inputs.skipped_uploads == 2
+    drawn = decode(seqs[:2], drawn, [0, 1])  # the last sequence left: still in place, but fields to copy
+    assert len(carries) == 1 and inputs.skipped_uploads == 2
     decode(seqs[1:2], drawn, [1])  # the first left: the second's token moves from row 1 to row 0
     assert len(carries) == 2 and carries[-1][3].data_ptr() == inputs.in_flight_copy.data_ptr()
+
+
+def draw_as_a_decode_graph(inputs: StepInputs, shape: tuple[int, int, int]) -> torch.Tensor:
+    """What a decode graph's draw does to its step's fields (`DecodeGraphs`): random tokens into its input ids,
+    returned, and its positions, slots, lengths and draw positions one token on (`sample_rows`' `advance`)."""
+    fields = inputs.fields(*shape)[0]
+    advance_decode_inputs(fields["sample_positions"], (fields["positions"], fields["slot_mapping"], fields["seq_lens"]))
+    inputs.graph_drew(shape[1])
+    return fields["input_ids"].copy_(torch.randint(100, 200, fields["input_ids"].shape))
+
+
+def test_step_inputs_of_a_steady_decode_batch_copy_nothing():
+    """A decode batch that a graph ran finds its next step's fields on the device, moved on by the draw: nothing
+    is copied, until a sequence crosses into a new block (its slot is not the last one's + 1), leaves or joins."""
+    inputs = StepInputs(32, 4, 8, block_size=8, device=torch.device("cpu"), device_buffers=True)
+    seqs = [Sequence(f"s{i}", 0, [5] * (3 + 2 * i), SamplingParams()) for i in range(2)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [10 * i, 10 * i + 5]  # a block's next slot is not its last + 1
+    drawn, copies = None, []
+    for step in range(12):
+        batch = seqs if step < 10 else seqs[:1]  # the second sequence leaves for the last two steps
+        for seq in batch:
+            seq.token_ids.append(PLACEHOLDER if drawn is not None else 1)
+            seq.sample_row = batch.index(seq)
+        before = inputs.skipped_uploads
+        shape = inputs.load([ScheduledChunk(seq, len(seq.token_ids) - 1, 1) for seq in batch], in_flight=drawn)
+        copies.append(inputs.skipped_uploads == before)
+        fields = inputs.fields(*shape)[0]
+        assert fields["positions"].tolist() == [len(seq.token_ids) - 1 for seq in batch]
+        assert fields["slot_mapping"].tolist() == [
+            seq.block_table[(len(seq.token_ids) - 1) // 8] * 8 + (len(seq.token_ids) - 1) % 8 for seq in batch
+        ]
+        assert fields["seq_lens"].tolist() == [len(seq.token_ids) for seq in batch]
+        assert inputs.draws(len(batch)).positions.tolist() == [len(seq.token_ids) for seq in batch]
+        drawn = draw_as_a_decode_graph(inputs, shape)
+        for seq, token in zip(batch, drawn.tolist(), strict=False):
+            seq.token_ids[-1] = token
+    # copied: the first step, the first in place (its carry rows), the ones where a sequence's position reaches 8 (a
+    # new block: s1 at step 3, s0 at step 5), the one where s1 left (another shape); none else
+    assert [step for step, copied in enumerate(copies) if copied] == [0, 1, 3, 5, 10]
 
 
 def test_step_inputs_copy_block_table_rows_in_runs():
@@ -350,13 +392,26 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
     ]
     computed = dict.fromkeys(seqs, 0)
     drawn_into = None  # the last step's input ids, where a decode graph would have drawn its tokens
+    chunks, pad_seqs, steady_steps = [], None, 0
     for _ in range(400):
-        for seq in seqs:
+        # after a decode graph, often the same batch a token on, each sequence in its row (a steady batch)
+        steady = drawn_into is not None and rng.random() < 0.8
+        steady = steady and all(len(c.seq.token_ids) < max_blocks * block_size for c in chunks)
+        if steady:
+            steady_steps += 1
+            keep = len(chunks) if rng.random() < 0.7 else rng.randint(1, 3)  # or rows leave from the end
+            for chunk in chunks[:keep]:
+                chunk.seq.token_ids.append(rng.randrange(1, 50))
+                if (chunk.start + 1) // block_size == len(chunk.seq.block_table):
+                    chunk.seq.block_table.append(next(blocks))
+            chunks = [ScheduledChunk(c.seq, c.start + 1, 1) for c in chunks[:keep]]
+        for seq in seqs if not steady else ():
             if rng.random() < 0.03 or len(seq.token_ids) >= max_blocks * block_size:  # preempted: starts over
                 seq.block_table, computed[seq] = [], 0
                 seq.token_ids = seq.token_ids[:5]
-        chunks, budget = [], max_tokens - 8
-        for seq in rng.sample(seqs, rng.randrange(1, max_seqs - 4)):
+        if not steady:
+            chunks, budget = [], max_tokens - 8
+        for seq in rng.sample(seqs, rng.randrange(1, max_seqs - 4)) if not steady else ():
             if computed[seq] == len(seq.token_ids):
                 seq.token_ids.append(rng.randrange(1, 50))
             n = min(len(seq.token_ids) - computed[seq], rng.choice([1, 1, 3, 8]))
@@ -370,24 +425,31 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
                 seq.block_table.extend(grow)
             chunks.append(ScheduledChunk(seq, computed[seq], n))
         in_flight, carrying = torch.randint(100, 200, (max_seqs,)), 0.3
-        if drawn_into is not None and rng.random() < 0.5:  # as a decode graph draws: into its input ids
-            in_flight, carrying = drawn_into.copy_(torch.randint(100, 200, drawn_into.shape)), 0.9
+        if drawn_into is not None and (steady or rng.random() < 0.5):  # a decode graph drew (and moved fields on)
+            in_flight, carrying = draw_as_a_decode_graph(inputs, inputs.shape)[: drawn_into.shape[0]], 0.9
         drawn = in_flight.clone()  # what the step takes, before its upload may overwrite it
         known = {}  # tokens the host learns once the step has run
         for row, chunk in enumerate(chunks):
             last = chunk.start + chunk.num_tokens - 1
-            if last == len(chunk.seq.token_ids) - 1 and rng.random() < carrying:
+            if last == len(chunk.seq.token_ids) - 1 and (steady or rng.random() < carrying):
                 # its row in the step before: mostly the same, as in a steady batch
-                before = row if row < len(in_flight) and rng.random() < 0.8 else rng.randrange(len(in_flight))
+                before = (
+                    row if steady or (row < len(in_flight) and rng.random() < 0.8) else rng.randrange(len(in_flight))
+                )
                 known[chunk.seq] = (last, int(drawn[before]))
                 chunk.seq.token_ids[last], chunk.seq.sample_row = PLACEHOLDER, before
         decode_only = all(c.num_tokens == 1 for c in chunks)
-        pad_seqs = len(chunks) + rng.randrange(0, 5) if decode_only and rng.random() < 0.5 else None
-        pad_tokens = None if pad_seqs or rng.random() < 0.7 else sum(c.num_tokens for c in chunks) + rng.randrange(6)
+        if not steady:
+            pad_seqs = len(chunks) + rng.randrange(0, 5) if decode_only and rng.random() < 0.5 else None
+        pad_tokens = (
+            None if steady or pad_seqs or rng.random() < 0.7 else sum(c.num_tokens for c in chunks) + rng.randrange(6)
+        )
         shape = inputs.load(
             chunks, pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs), in_flight=in_flight, pad_tokens_to=pad_tokens
         )
-        drawn_into = inputs.fields(*shape)[0]["input_ids"][: len(chunks)] if decode_only else None
+        # a step a decode graph could run: one token a sequence, each sampled (padded with sequences, if at all)
+        graph_step = decode_only and shape[0] == shape[1] == shape[2]
+        drawn_into = inputs.fields(*shape)[0]["input_ids"][: len(chunks)] if graph_step else None
         ids, positions, slots, lens, starts = [], [], [], [], [0]
         for chunk in chunks:
             seq = chunk.seq
@@ -424,6 +486,8 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
             seq.token_ids[last] = token
         for chunk in chunks:
             computed[chunk.seq] = chunk.start + chunk.num_tokens
+    # steady steps often found their fields on the device already (crossing no block, a padded row's none)
+    assert steady_steps > 50 and inputs.skipped_uploads > steady_steps // 4
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], drawn: torch.Tensor | None = None, position: int = 1):
@@ -451,6 +515,24 @@ def test_sampler_takes_a_steps_draws_only_over_unchanged_unfiltered_logits():
     assert sample(logits, penalised, given) == [2, 0]  # token 1's 3 halved: recomputed
     mixed = [plain[0], Sequence("s", 0, [1], SamplingParams(temperature=1.0, top_k=1))]  # top-k 1: its argmax
     assert sample(logits, mixed, given) == [1, 0]
+
+
+def test_a_row_drawn_again_after_a_decode_graph_draws_at_the_graphs_positions():
+    """A decode graph's draw moves the draw positions one on (`sample_rows`' `advance`): a row the sampler draws
+    again (filtered, penalised) must draw as the same row drawn outside a graph at the positions before the move."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 500) * 3
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=1),
+        SamplingParams(temperature=0.8, seed=2, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, seed=3),
+    ]
+    for i in range(2):  # the rows drawn again: filtered, penalised
+        seqs = [Sequence(str(i), 0, [1, 2], p) for p in (params[i], params[2])]
+        eager = sample(logits[[i, 2]], seqs, position=40)
+        graph_drawn = torch.tensor([7, sample(logits[[2]], seqs[1:], position=40)[0]])
+        assert sample(logits[[i, 2]], seqs, graph_drawn, position=41) == eager
+        assert sample(logits[[i, 2]], seqs, graph_drawn, position=40) != eager  # (the positions do matter)
 
 
 def test_greedy_rows_of_a_sampled_batch_take_the_first_of_equal_largest_logits():

@@ -228,6 +228,33 @@ def test_sample_rows_into_out():
         sampling.sample_rows(x, *draw, out=buffer[:4])
 
 
+@pytest.mark.parametrize("rows,cols", [(5, 3000), (3, 700)] + ([(37, 151936)] if CUDA else []))
+def test_sample_rows_advance_a_decode_graphs_inputs(rows, cols):
+    """With `advance`, the rows draw what they draw without it (at the draw positions before the advance), then
+    every row whose slot is not -1 moves its token position, slot, sequence length and draw position one on;
+    padding rows (slot -1) keep theirs. Several slices a row (3000 columns) and one (700)."""
+    x = torch.randn(rows, cols, device=DEVICE)
+    temperature, seeds, positions = draws(rows, 0.7)
+    temperature[0] = 0.0
+    expected = sample_rows_reference(x, temperature, seeds, positions)
+    token_positions = torch.arange(rows, device=DEVICE) * 10 + 3
+    slots = torch.arange(rows, device=DEVICE) * 16 + 5
+    slots[-1] = -1  # padding
+    seq_lens = (token_positions + 1).int()
+    before = [t.clone() for t in (positions, token_positions, slots, seq_lens)]
+    for impl in (sampling.sample_rows, sample_rows_reference):
+        fields = [t.clone() for t in before]
+        out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+        impl(x, temperature, seeds, fields[0], out=out, advance=tuple(fields[1:]))
+        assert torch.equal(out, expected)
+        for field, old in zip(fields, before, strict=True):
+            step = torch.ones_like(old)
+            step[-1] = 0
+            assert field.dtype == old.dtype and torch.equal(field, old + step)
+    with pytest.raises(ValueError, match="advances a contiguous token position"):
+        sampling.sample_rows(x, temperature, seeds, positions, advance=(token_positions[:1], slots, seq_lens))
+
+
 @pytest.mark.parametrize("n", [1, 7, 300])
 def test_carry_tokens(n):
     """Carried rows take their sampled token, in any order and across programs; rows of -1 change nothing."""

@@ -156,7 +156,11 @@ def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.
                 if len(step):  # (a short max_model_len can empty a step); the decode graphs' draws, over the logits
                     rows = logits.shape[0]  # as the LM head gives them, with the step inputs' dtypes
                     draws = torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device)
-                    tokens = sample_rows(logits, *draws, torch.zeros(rows, dtype=torch.int32, device=device))
+                    positions32 = torch.zeros(rows, dtype=torch.int32, device=device)
+                    tokens = sample_rows(logits, *draws, positions32)
+                    # and as a decode graph draws: moving its inputs on (padding rows, slot -1: none moves)
+                    advance = torch.zeros_like(tokens), torch.full_like(tokens, -1), positions32.clone()
+                    sample_rows(logits, *draws, positions32, out=torch.empty_like(tokens), advance=advance)
                     carry_tokens(input_ids, logits_indices, torch.arange(rows, device=device), tokens)  # next step's
         torch.cuda.synchronize()
 

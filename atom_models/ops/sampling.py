@@ -31,13 +31,31 @@ NOISE_QUARTER = 512
 
 
 def sample_rows(
-    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, out: Tensor | None = None
+    logits: Tensor,
+    temperature: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    out: Tensor | None = None,
+    advance: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Each row's token (int64): where `temperature` is 0 its argmax (the first of equal values, a NaN first of
     all, as `torch.argmax`), elsewhere a draw from softmax(logits / temperature) by the row's int64 seed at the
     row's sequence `position`; -inf logits are never drawn. Written into `out` where given (a decode graph draws
-    into its own input ids, where the batch's next decode step reads them)."""
-    return implementation("sample_rows", logits.device)(logits, temperature, seeds, positions, out)
+    into its own input ids, where the batch's next decode step reads them).
+
+    `advance` (a decode graph's token positions, slots and sequence lengths, a row each): then every row whose slot
+    is not -1 (padding) moves these and its draw position one token on, after the draw, as the batch's next decode
+    step would write them; the host then copies only what differs (see `atom_runtime.step_inputs`). A slot that
+    crosses into a new block comes out wrong, and that step's upload replaces it."""
+    return implementation("sample_rows", logits.device)(logits, temperature, seeds, positions, out, advance)
+
+
+def advance_decode_inputs(positions: Tensor, advance: tuple[Tensor, Tensor, Tensor]) -> None:
+    """`sample_rows`' `advance`, in torch: the rows of non-padding slots one token on, in place."""
+    token_positions, slots, seq_lens = advance
+    live = slots >= 0
+    for field in (positions, token_positions, slots, seq_lens):
+        field += live.to(field.dtype)
 
 
 def carry_tokens(input_ids: Tensor, carry_to: Tensor, carry_from: Tensor, sampled: Tensor) -> None:
@@ -77,7 +95,12 @@ def philox_bits(seeds: Tensor, positions: Tensor, n_cols: int) -> Tensor:
 
 @register_impl("sample_rows", "torch")
 def sample_rows_reference(
-    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, out: Tensor | None = None
+    logits: Tensor,
+    temperature: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    out: Tensor | None = None,
+    advance: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The kernel's arithmetic in torch: a uniform in (0, 1) from the top 23 bits, E = -log(u), and the division
     rounded to nearest (the kernel's `div_rn`), so both draw the same token but for last-bit differences of log.
@@ -88,4 +111,6 @@ def sample_rows_reference(
     uniform = ((philox_bits(seeds, positions, x.shape[1]) >> 9).float() + 0.5) * 2.0**-23
     scores = x / torch.where(t > 0, t, 1.0) - torch.log(-torch.log(uniform))
     tokens = torch.where(t > 0, scores, x).argmax(dim=-1)
+    if advance is not None:
+        advance_decode_inputs(positions, advance)
     return tokens if out is None else out.copy_(tokens)

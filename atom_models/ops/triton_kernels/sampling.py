@@ -90,17 +90,30 @@ def _sample_kernel(
     part_index_ptr,
     out_ptr,
     ticket_ptr,
+    token_position_ptr,
+    slot_ptr,
+    seq_len_ptr,
     n_cols,
     stride_row,
     SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     QUARTER: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     """Slice `split` of a row is a noise block (see `atom_models.ops.sampling.philox_bits`): four quarters, each the
     words of one Philox output of the block's QUARTER counters, so the noise takes a quarter of the Philox rounds
-    and registers it would a word at a time."""
+    and registers it would a word at a time.
+
+    ADVANCE: the program that writes the row's token then moves its step inputs one token on (`sample_rows`); it
+    writes the draw position once every slice has read it (after the ticket). Every program reads them up front,
+    so the writes add no round trip to the launch's tail."""
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if ADVANCE:
+        token_position = tl.load(token_position_ptr + row)
+        slot = tl.load(slot_ptr + row)
+        seq_len = tl.load(seq_len_ptr + row)
+        draw_position = tl.load(position_ptr + row)
     offs = tl.arange(0, QUARTER)
     cols = split * 4 * QUARTER + offs
     x_row = x_ptr + row.to(tl.int64) * stride_row
@@ -120,24 +133,36 @@ def _sample_kernel(
     value, index = _pick(x0, cols, x1, cols + QUARTER)
     value, index = _pick(value, index, x2, cols + 2 * QUARTER)
     value, index = _largest(*_pick(value, index, x3, cols + 3 * QUARTER))
-    if SPLITS == 1:
-        tl.store(out_ptr + row, index.to(tl.int64))
-    else:
+    last = True  # of one slice a row, the program writes its token
+    if SPLITS > 1:
         tl.store(part_value_ptr + row * SPLITS + split, value)
         tl.store(part_index_ptr + row * SPLITS + split, index)
-        if last_to_arrive(ticket_ptr + row, SPLITS):  # slices in order, so the first of equal ones wins
+        last = last_to_arrive(ticket_ptr + row, SPLITS)
+        if last:  # slices in order, so the first of equal ones wins
             s = tl.arange(0, SPLITS_P)
             values = tl.load(
                 part_value_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf"), cache_modifier=".cg"
             )
             indices = tl.load(part_index_ptr + row * SPLITS + s, mask=s < SPLITS, other=0, cache_modifier=".cg")
             _, index = _largest(values, indices)
-            tl.store(out_ptr + row, index.to(tl.int64))
+    if last:
+        tl.store(out_ptr + row, index.to(tl.int64))
+        if ADVANCE:  # one token on, unless the slot is -1 (padding)
+            step = (slot >= 0).to(slot.dtype)
+            tl.store(token_position_ptr + row, token_position + step)
+            tl.store(slot_ptr + row, slot + step)
+            tl.store(seq_len_ptr + row, seq_len + step.to(seq_len.dtype))
+            tl.store(position_ptr + row, draw_position + step.to(draw_position.dtype))
 
 
 @register_impl("sample_rows", "triton")
 def sample_rows(
-    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, out: Tensor | None = None
+    logits: Tensor,
+    temperature: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    out: Tensor | None = None,
+    advance: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"sample_rows takes rows contiguous along the last dimension, got shape {tuple(logits.shape)}")
@@ -148,6 +173,8 @@ def sample_rows(
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     elif out.shape != (rows,) or out.dtype != torch.int64 or out.stride(0) != 1:
         raise ValueError(f"sample_rows writes {rows} contiguous int64 tokens, got out of shape {tuple(out.shape)}")
+    if advance is not None and any(t.shape != (rows,) or t.stride(0) != 1 for t in advance):
+        raise ValueError(f"sample_rows advances a contiguous token position, slot and sequence length a row ({rows})")
     if rows == 0:
         return out
     if n_cols == 0:
@@ -164,11 +191,13 @@ def sample_rows(
         part_index,
         out,
         ticket_counters(logits.device, rows),
+        *(advance or (positions,) * 3),
         n_cols,
         logits.stride(0),
         SPLITS=splits,
         SPLITS_P=triton.next_power_of_2(splits),
         QUARTER=NOISE_QUARTER,
+        ADVANCE=advance is not None,
         num_warps=4,
     )
     return out
