@@ -24,7 +24,8 @@ steps take them from the previous step's samples (`carry_tokens`).
 The draw also moves the graph's positions, slots, lengths and draw positions one token on (`sample_rows`'
 `advance`), and the host keeps a copy of what the device's fields hold (`device_mirror`): a steady batch's next
 step, whose fields come out the same (no sequence left, joined or crossed into a new block), copies nothing at all.
-A batch-1 decode step's one copy had cost ~2.5 us of device time.
+Qwen3-0.6B batch 1 on an H100: 0.803 -> 0.796-0.802 ms a step (two rounds against one of main's, whose other
+stalled; within a copy's ~2-3 us, so near the rounds' spread). The host's check costs ~5 us a step.
 """
 
 from __future__ import annotations
