@@ -62,7 +62,6 @@ FIELDS: tuple[tuple[str, torch.dtype, str], ...] = (
     ("sample_seeds", torch.int64, "logits"),
     ("sample_positions", torch.int32, "logits"),
 )
-NUMPY_DTYPES = {name: torch.empty(0, dtype=dtype).numpy().dtype for name, dtype, _ in FIELDS}
 # Each field starts 16-byte aligned, as a tensor of its own would: Triton and Inductor specialise kernels on it.
 ALIGN = 16
 # What a block-table row holds, as (the block-table list it was written from, how much of it): tables are only
@@ -122,9 +121,9 @@ class StepInputs:
         self.device_tables: list[tuple[list[int] | None, int]] = [UNKNOWN] * max_seqs
         # What the device's fields hold, as far as the host knows (own device buffers only): what it copied there,
         # moved on as a decode graph's draw moves it.
-        self.device_mirror = np.zeros(self.capacity, dtype=np.uint8)
+        self.device_mirror = torch.zeros(self.capacity, dtype=torch.uint8)
+        self._mirror_array = self.device_mirror.numpy()
         self.mirror_shape: tuple[int, int, int] | None = None  # the step shape whose fields the mirror holds
-        self._moving: dict[tuple[int, int, int], list[np.ndarray]] = {}  # a shape's slots, then the fields that move
         self.skipped_uploads = 0  # steps whose fields the device held already (for tests and benchmarks)
         if own:
             self.device_bytes = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
@@ -135,17 +134,22 @@ class StepInputs:
         self.in_flight_copy = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.table_gap_rows = TABLE_GAP_BYTES // self.host_blocks[0][0].nbytes
         self.iota = np.arange(max(max_tokens, max_seqs) + 1)  # sliced rather than made per step
-        self._views: dict[tuple[int, int, int], tuple[dict[str, Tensor], list[dict[str, np.ndarray]]]] = {}
+        # Each step shape's field views: of the device buffer, of each host set and of the mirror (numpy).
+        self._views: dict[tuple, tuple[dict[str, Tensor], list[dict[str, np.ndarray]], dict[str, np.ndarray]]] = {}
         self.shape = (0, 0, 0)  # (tokens, seqs, logits) of the step last loaded
 
     def fields(self, tokens: int, seqs: int, logits: int) -> tuple[dict[str, Tensor], list[dict[str, np.ndarray]]]:
         """A step shape's fields: views of the device buffer, and of each host set as numpy arrays (made once)."""
-        key = (tokens, seqs, logits)
+        device, hosts, _ = self._field_views((tokens, seqs, logits))
+        return device, hosts
+
+    def _field_views(self, key: tuple[int, int, int]) -> tuple:
+        """`fields`, and the mirror's fields (numpy), of a step shape."""
         views = self._views.get(key)
         if views is None:
             layout, size = step_layout(*key)
             if size > self.capacity:
-                raise ValueError(f"a step of {tokens} tokens and {seqs} sequences exceeds the input buffers")
+                raise ValueError(f"a step of {key[0]} tokens and {key[1]} sequences exceeds the input buffers")
             dtypes = {name: dtype for name, dtype, _ in FIELDS}
 
             def view(buffer: Tensor, name: str) -> Tensor:
@@ -157,6 +161,7 @@ class StepInputs:
             views = self._views[key] = (
                 {name: view(self.device_bytes, name) for name in layout},
                 [{name: view(host, name).numpy() for name in layout} for host in self.host_bytes],
+                {name: view(self.device_mirror, name).numpy() for name in layout},
             )
         return views
 
@@ -342,16 +347,10 @@ class StepInputs:
         if self.mirror_shape != shape:  # not the step last loaded: the mirror is stale
             self.mirror_shape = None
             return
-        moving = self._moving.get(shape)
-        if moving is None:
-            layout = step_layout(*shape)[0]
-            moving = self._moving[shape] = [
-                self.device_mirror[layout[name][0] :][: size * NUMPY_DTYPES[name].itemsize].view(NUMPY_DTYPES[name])
-                for name in ("slot_mapping", "positions", "seq_lens", "sample_positions")
-            ]
-        step = moving[0] >= 0
-        for field in moving:
-            field += step
+        mirror = self._field_views(shape)[2]
+        step = mirror["slot_mapping"] >= 0
+        for name in ("positions", "slot_mapping", "seq_lens", "sample_positions"):
+            mirror[name] += step
 
     def _upload(
         self, first: int, end: int, seqs: int, held: list[tuple], shape: tuple[int, int, int], may_skip: bool
@@ -362,7 +361,7 @@ class StepInputs:
         host = self.host_bytes[self.turn]
         if self.device_bytes is host:
             return
-        fresh, mirror = self.host_arrays[self.turn][first:end], self.device_mirror[first:end]
+        fresh, mirror = self.host_arrays[self.turn][first:end], self._mirror_array[first:end]
         if may_skip and shape == self.mirror_shape and fresh.data == mirror.data:  # gaps included: zero in both
             self.skipped_uploads += 1
         else:
