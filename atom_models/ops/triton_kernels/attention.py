@@ -143,6 +143,7 @@ def _attend(
     v_scales_ptr,
     scales_offset,
     lo,
+    mask_from,
     hi,
     q_pos,
     qk_scale,
@@ -151,14 +152,15 @@ def _attend(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr,
     INLINE_SCALES: tl.constexpr,
     VALUES_WITH_KEYS: tl.constexpr,
 ):
     """Online-softmax attention of q over keys [lo, hi) gathered from the paged cache.
 
-    With CAUSAL, key n is visible to row r only if n <= q_pos[r], and pages past `hi` are
-    never looked up; without it every key in range is visible and [lo, hi) is whole tiles.
+    Every row sees every key before `mask_from`; in the tiles from there on (a causal diagonal, a context's
+    last partial tile), key n is visible to row r only if n <= q_pos[r]. Pages past `hi` are never looked up.
+    One loop, the masked tiles its last iterations: a second loop for them cost every prefill tile and
+    every context's last split a second pipeline prologue, with nothing to overlap it.
     INLINE_SCALES: each key's and value's scale is read from its block's scale slot (the cache as fp32 at
     `k/v_scales_ptr`; this head's row at `scales_offset` into a block) and multiplies its scores and its p.
     VALUES_WITH_KEYS: a tile's values are asked for with its keys, not after the scores. For launches in one
@@ -169,10 +171,7 @@ def _attend(
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         n = start + offs_n
-        if CAUSAL:
-            page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n < hi, other=0)
-        else:
-            page = tl.load(table_ptr + n // BLOCK_SIZE)
+        page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n < hi, other=0)
         offs = page.to(tl.int64)[:, None] * stride_kb + ((n % BLOCK_SIZE) * stride_ks + kv_head_offset)[:, None]
         k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
         if VALUES_WITH_KEYS:
@@ -181,7 +180,7 @@ def _attend(
         if INLINE_SCALES:
             scale_at = page.to(tl.int64) * (stride_kb // 4) + scales_offset + n % BLOCK_SIZE
             qk = qk * tl.load(k_scales_ptr + scale_at, mask=n < hi, other=0.0)[None, :]
-        if CAUSAL:
+        if start + BLOCK_N > mask_from:
             qk = tl.where(n[None, :] <= q_pos[:, None], qk, float("-inf"))
         # Scale inside the exponent (one FMA an element), and accumulate in place in the second
         # product, so no second [BLOCK_M, HEAD_DIM] fp32 tile is live.
@@ -237,7 +236,7 @@ def _attend_context(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _attend(
+    return _attend(
         acc,
         l_i,
         m_i,
@@ -251,30 +250,6 @@ def _attend_context(
         scales_offset,
         lo,
         full_end,
-        q_pos,
-        qk_scale,
-        stride_kb,
-        stride_ks,
-        BLOCK_N,
-        BLOCK_SIZE,
-        HEAD_DIM,
-        False,
-        INLINE_SCALES,
-        VALUES_WITH_KEYS,
-    )
-    acc, l_i, m_i = _attend(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_cache_ptr,
-        v_cache_ptr,
-        table_ptr,
-        kv_head_offset,
-        k_scales_ptr,
-        v_scales_ptr,
-        scales_offset,
-        full_end,
         hi,
         q_pos,
         qk_scale,
@@ -283,11 +258,9 @@ def _attend_context(
         BLOCK_N,
         BLOCK_SIZE,
         HEAD_DIM,
-        True,
         INLINE_SCALES,
         VALUES_WITH_KEYS,
     )
-    return acc, l_i, m_i
 
 
 @triton.jit
