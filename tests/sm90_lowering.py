@@ -195,7 +195,7 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     # mixed launches, decode-only ones of a batch, and of a lone sequence (split by the tile, its own stages)
     for decode_only, lone in ((False, False), (True, False), (True, True)):
         tiles = {"BLOCK_Q": config.block_m // 4, "BLOCK_N": config.block_n, "DECODE_ROWS": 16, "BLOCK_SIZE": 16}
-        constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": attention.MAX_SPLITS}
+        constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": config.merge_elements // (4 * 128)}
         split_keys = config.decode_block_n if lone else config.split_keys
         constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "DECODE_SPLIT_KEYS": split_keys}
         constexprs |= {"KV_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline, "DECODE_ONLY": decode_only}

@@ -716,10 +716,13 @@ def test_paged_attention_decode_tiles(padding):
 
 def test_paged_attention_merges_many_splits():
     """32 splits to merge (the other tests' few), in 16-key tiles: of a 1000-key context (2 tiles each, the last
-    partial) and of a 530-key one (2 tiles each, so splits 17-31 find no keys)."""
+    partial) and of a 530-key one (2 tiles each, so splits 17-31 find no keys); merged all at once, and 8 at a time
+    (every head's 8 splits a load)."""
     config = dataclasses.replace(attention.default_config(16), decode_block_n=16, lone_decode_waves=16)
-    check_attention(4, 2, 16, 16, [(1, 1000)], padding=0, config=config)
-    check_attention(4, 2, 16, 16, [(1, 530)], padding=0, config=config)
+    for merge_elements in (8192, 2 * 16 * 8):
+        config = dataclasses.replace(config, merge_elements=merge_elements)
+        check_attention(4, 2, 16, 16, [(1, 1000)], padding=0, config=config)
+        check_attention(4, 2, 16, 16, [(1, 530)], padding=0, config=config)
 
 
 def test_paged_attention_split_keys():

@@ -78,7 +78,8 @@ class AttentionConfig:
     takes a split for every `split_keys` keys (rounded to whole tiles), up to the launch's splits;
     `lone_decode_stages` pipeline stages of a lone sequence's decode launch (split by the tile: up to MAX_SPLITS
     tiles of context a split walks one tile, where stages buy no overlap and cost shared memory and a prologue;
-    longer contexts, several tiles a split, are unmeasured).
+    longer contexts, several tiles a split, are unmeasured); a split launch's merge loads `merge_elements` fp32
+    partial outputs at once (every head of the group, as many splits as fit).
     """
 
     block_m: int
@@ -92,6 +93,9 @@ class AttentionConfig:
     unsplit_block_n: int
     split_keys: int
     lone_decode_stages: int
+    # 64 a thread at 4 warps: Llama-3's 4 heads a group at head_dim 128 merge 16 splits at once (a lone context of up
+    # to 2048 keys in one round trip), Qwen3's 2 heads 32.
+    merge_elements: int = 8192
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -276,34 +280,45 @@ def _merge_splits(
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
     """out[token] = the `active` split partials of one sequence's query heads, weighted by their sum-exp.
 
-    Partials are laid out `num_splits` a head. All splits of a head are loaded at once (one round
-    trip a head), bypassing L1: other multiprocessors wrote them during this launch. SPLITS sizes that load, and
-    with it the registers the merge holds, which are the whole kernel's: launches that split no context are
-    compiled with 1, and never reach the merge (decode-only, 128-key tiles, sm_90 compile here: 208 registers a
-    thread at 64, 128 at 1; ncu on the H100 found 166 at 64, 3 programs a multiprocessor). Merging 16 partials
-    at a time in a loop instead cost batch-1 decode 9 us a step in the model.
+    Partials are laid out `num_splits` a head. Every head's partials of SPLITS splits are loaded at once, bypassing
+    L1 (other multiprocessors wrote them during this launch), and merged online SPLITS at a time: a context of up
+    to SPLITS splits takes one round trip. A load a head took GROUP round trips in a row, each behind the store of
+    the head before it (sm_90 PTX). SPLITS sizes that load (`merge_width`), and with it the registers the merge
+    holds, which are the whole kernel's: launches that split no context are compiled with 1, and never reach the
+    merge.
     """
-    splits = tl.arange(0, SPLITS)
-    used = splits < active
+    g = tl.arange(0, GROUP_P)
     offs_d = tl.arange(0, HEAD_DIM)
-    for g in tl.static_range(GROUP):
-        part = first_part + g * num_splits + splits
-        lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"), cache_modifier=".cg")
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
+    for first in range(0, active, SPLITS):
+        splits = first + tl.arange(0, SPLITS)
+        used = (g < GROUP)[:, None] & (splits < active)[None, :]
+        part = first_part + g[:, None] * num_splits + splits[None, :]
+        # empty lanes weigh nothing against a real split (EMPTY_LSE is finite: no inf - inf)
+        lse = tl.load(part_lse_ptr + part, mask=used, other=EMPTY_LSE, cache_modifier=".cg")
         o = tl.load(
-            part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=used[:, None],
+            part_out_ptr + part.to(tl.int64)[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=used[:, :, None],
             other=0.0,
             cache_modifier=".cg",
         )
-        w = tl.math.exp2(lse - tl.max(lse, axis=0))
-        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-        ptrs = out_ptr + token.to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh + offs_d
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty))
+        m_new = tl.maximum(m_i, tl.max(lse, axis=1))
+        w = tl.math.exp2(lse - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        l_i = l_i * alpha + tl.sum(w, axis=1)
+        m_i = m_new
+    head = kv_head * GROUP + g
+    ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
 @triton.jit
@@ -335,6 +350,7 @@ def _decode_program(
     stride_ks,
     stride_kh,
     GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -406,6 +422,7 @@ def _decode_program(
                     stride_ot,
                     stride_oh,
                     GROUP,
+                    GROUP_P,
                     HEAD_DIM,
                     SPLITS,
                 )
@@ -666,6 +683,7 @@ def _attention_kernel(
                 stride_ks,
                 stride_kh,
                 GROUP,
+                GROUP_P,
                 DECODE_ROWS,
                 HEAD_DIM,
                 DECODE_BLOCK_N,
@@ -723,16 +741,20 @@ def decode_splits(num_seqs: int, num_kv_heads: int, config: AttentionConfig, dev
     return min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
 
 
-def _decode_variant(num_seqs: int, num_splits: int, config: AttentionConfig) -> tuple[int, int, int]:
-    """(keys a decode tile, keys a context takes a split for, partials the merge loads) of a launch. One that splits
-    no context is the unsplit variant: its own tiles, a merge of one. Otherwise a lone sequence splits by the tile
-    (its splits are its only parallelism), a batch every `split_keys` keys in whole tiles (their merges cost more
-    than the parallelism gains)."""
+def _decode_variant(
+    num_seqs: int, num_splits: int, group_p: int, head_dim: int, config: AttentionConfig
+) -> tuple[int, int, int]:
+    """(keys a decode tile, keys a context takes a split for, partials the merge loads at once) of a launch. One
+    that splits no context is the unsplit variant: its own tiles, a merge of one. Otherwise a lone sequence splits
+    by the tile (its splits are its only parallelism), a batch every `split_keys` keys in whole tiles (their merges
+    cost more than the parallelism gains), and the merge loads as many splits of every head as `merge_elements`
+    holds (a power of two, at least 2: a merge of 1 is the unsplit variant's)."""
     if num_splits == 1:
         return config.unsplit_block_n, config.unsplit_block_n, 1
     block_n = config.decode_block_n
     split_keys = block_n if num_seqs == 1 else max(block_n, config.split_keys // block_n * block_n)
-    return block_n, split_keys, MAX_SPLITS
+    fit = max(2, config.merge_elements // (group_p * head_dim))
+    return block_n, split_keys, min(MAX_SPLITS, 1 << (fit.bit_length() - 1))
 
 
 def unsplit_decode_batch(num_kv_heads: int, head_dim: int, device: torch.device) -> int:
@@ -772,7 +794,7 @@ def run_paged_attention(
     group_p = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p)
     num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device)
-    decode_block_n, split_keys, merge_splits = _decode_variant(num_seqs, num_splits, config)
+    decode_block_n, split_keys, merge_splits = _decode_variant(num_seqs, num_splits, group_p, head_dim, config)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = ticket_counters(q.device, num_seqs * num_kv_heads)
