@@ -164,7 +164,8 @@ def _attend(
     Every row sees every key before `mask_from`; in the tiles from there on (a causal diagonal, a context's
     last partial tile), key n is visible to row r only if n <= q_pos[r]. Pages past `hi` are never looked up.
     One loop, the masked tiles its last iterations: a second loop for them cost every prefill tile and
-    every context's last split a second pipeline prologue, with nothing to overlap it.
+    every context's last split a second pipeline prologue, with nothing to overlap it (H100: prefill 8x1024
+    282 -> 297 TFLOP/s, batch 8 decode at 4096 2.09 -> 2.15 TB/s).
     INLINE_SCALES: each key's and value's scale is read from its block's scale slot (the cache as fp32 at
     `k/v_scales_ptr`; this head's row at `scales_offset` into a block) and multiplies its scores and its p.
     VALUES_WITH_KEYS: a tile's values are asked for with its keys, not after the scores. For launches in one
@@ -289,7 +290,8 @@ def _merge_splits(
     Partials are laid out `num_splits` a head. Every head's partials of SPLITS splits are loaded at once, bypassing
     L1 (other multiprocessors wrote them during this launch), and merged online SPLITS at a time: a context of up
     to SPLITS splits takes one round trip. A load a head took GROUP round trips in a row, each behind the store of
-    the head before it (sm_90 PTX). SPLITS sizes that load (`merge_width`), and with it the registers the merge
+    the head before it (sm_90 PTX; H100, one sequence of Llama-3's heads: context 4096 1.08 -> 1.35 TB/s, 432 9.1 ->
+    5.4 us). SPLITS sizes that load (`merge_width`), and with it the registers the merge
     holds, which are the whole kernel's: launches that split no context are compiled with 1, and never reach the
     merge.
     """
