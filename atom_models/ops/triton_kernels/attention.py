@@ -291,9 +291,8 @@ def _merge_splits(
     L1 (other multiprocessors wrote them during this launch), and merged online SPLITS at a time: a context of up
     to SPLITS splits takes one round trip. A load a head took GROUP round trips in a row, each behind the store of
     the head before it (sm_90 PTX; H100, one sequence of Llama-3's heads: context 4096 1.08 -> 1.35 TB/s, 432 9.1 ->
-    5.4 us). SPLITS sizes that load (`merge_width`), and with it the registers the merge
-    holds, which are the whole kernel's: launches that split no context are compiled with 1, and never reach the
-    merge.
+    5.4 us). SPLITS sizes that load (`AttentionConfig.merge_elements`), and with it the registers the merge holds,
+    which are the whole kernel's: launches that split no context are compiled with 1, and never reach the merge.
     """
     g = tl.arange(0, GROUP_P)
     offs_d = tl.arange(0, HEAD_DIM)
