@@ -276,7 +276,8 @@ def prefill_sweep(base: attention.AttentionConfig) -> list[attention.AttentionCo
 
 
 def decode_sweep(base: attention.AttentionConfig) -> list[attention.AttentionConfig]:
-    """The default first, then other decode tiles, programs a multiprocessor (splits; for any batch) and warps."""
+    """The default first, then other decode tiles, programs a multiprocessor (splits; for any batch) and warps, a
+    lone sequence's pipeline stages, and merges of half and twice the partials a load."""
     variants = [(128, 4, 4), (128, 2, 4), (128, 1, 4), (64, 2, 4), (64, 1, 4), (32, 1, 4), (64, 1, 2)]
     variants.append((base.decode_block_n, base.decode_waves, 8))
     return (
@@ -293,6 +294,7 @@ def decode_sweep(base: attention.AttentionConfig) -> list[attention.AttentionCon
             for n, waves, warps in variants
         ]
         + [replace(base, lone_decode_stages=stages) for stages in (1, 2, 3) if stages != base.lone_decode_stages]
+        + [replace(base, merge_elements=elements) for elements in (base.merge_elements // 2, base.merge_elements * 2)]
     )
 
 
