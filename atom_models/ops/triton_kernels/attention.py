@@ -63,7 +63,7 @@ EMPTY_LSE = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
 # Inline PTX where the kernels are compiled for NVIDIA GPUs; the interpreter (CPU tests) and ROCm run the same
 # arithmetic through Triton's own conversion.
-FP8_ASM = tl.constexpr(not triton.knobs.runtime.interpret and torch.version.hip is None)
+PTX_ASM = tl.constexpr(not triton.knobs.runtime.interpret and torch.version.hip is None)
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,13 @@ def _fp8_to_f16(x):
 
 
 @triton.jit
+def _held(x):
+    """16-bit x unchanged, through an opaque (impure) asm op: Triton converts a loaded tile to its MMA layout right
+    after the load, which waits for the data; a tile passed through here is converted only after this point."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
 def _attend(
     acc,
     l_i,
@@ -170,7 +177,10 @@ def _attend(
     `k/v_scales_ptr`; this head's row at `scales_offset` into a block) and multiplies its scores and its p.
     VALUES_WITH_KEYS: a tile's values are asked for with its keys, not after the scores. For launches in one
     pipeline stage (a lone sequence's decode), where nothing else overlaps the two loads: Qwen3-0.6B batch 1
-    0.854 -> 0.841-0.844 ms a step (H100, thirteenth session); pipelined launches already load them early.
+    0.854 -> 0.841-0.844 ms a step (H100, thirteenth session); pipelined launches already load them early. The
+    values are asked for first and held out of their MMA layout until the second product (`_held`): Triton
+    moves a loaded tile into shared memory right after its load, and the keys' move, waiting for the keys,
+    came before the values' loads were issued (sm_90 PTX), so the two loads took a round trip each.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -178,9 +188,9 @@ def _attend(
         n = start + offs_n
         page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n < hi, other=0)
         offs = page.to(tl.int64)[:, None] * stride_kb + ((n % BLOCK_SIZE) * stride_ks + kv_head_offset)[:, None]
-        k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
         if VALUES_WITH_KEYS:
             v = tl.load(v_cache_ptr + offs + offs_d[None, :])
+        k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
         qk = tl.dot(q, tl.trans(k))
         if INLINE_SCALES:
             scale_at = page.to(tl.int64) * (stride_kb // 4) + scales_offset + n % BLOCK_SIZE
@@ -194,13 +204,15 @@ def _attend(
         alpha = tl.math.exp2(m_i - m_new)
         if not VALUES_WITH_KEYS:
             v = tl.load(v_cache_ptr + offs + offs_d[None, :])
+        elif PTX_ASM and v.dtype.primitive_bitwidth == 16:  # (an FP8 tile's conversion below is as opaque)
+            v = _held(v)
         if INLINE_SCALES:  # p times each value's amax (its scale x 448, undone at the end: scales can lie below fp16's
             # range), in q's dtype
             v_amax = tl.load(v_scales_ptr + scale_at, mask=n < hi, other=0.0) * FP8_MAX_C
             p_v = (p * v_amax[None, :]).to(q.dtype)
-            v = (_fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)).to(q.dtype)
+            v = (_fp8_to_f16(v) if PTX_ASM else v.to(tl.float16)).to(q.dtype)
         elif v.dtype == tl.float8e4nv and q.dtype != tl.float32:  # fp16 products: e4m3 fits, p in [0, 1] gains bits
-            v = _fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)
+            v = _fp8_to_f16(v) if PTX_ASM else v.to(tl.float16)
             p_v = p.to(tl.float16)
         else:
             v = v.to(q.dtype)
