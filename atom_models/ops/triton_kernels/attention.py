@@ -180,7 +180,9 @@ def _attend(
     0.854 -> 0.841-0.844 ms a step (H100, thirteenth session); pipelined launches already load them early. The
     values are asked for first and held out of their MMA layout until the second product (`_held`): Triton
     moves a loaded tile into shared memory right after its load, and the keys' move, waiting for the keys,
-    came before the values' loads were issued (sm_90 PTX), so the two loads took a round trip each.
+    came before the values' loads were issued (sm_90 PTX), so the two loads took a round trip each. The queries
+    likewise, whose move sat between their load and the first page's: after the wait, a lone split now waits for
+    its length, then its queries and pages, then its keys and values (three round trips, not five).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -191,7 +193,10 @@ def _attend(
         if VALUES_WITH_KEYS:
             v = tl.load(v_cache_ptr + offs + offs_d[None, :])
         k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k))
+        if VALUES_WITH_KEYS and PTX_ASM and q.dtype.primitive_bitwidth == 16:  # q's move after these loads too
+            qk = tl.dot(_held(q), tl.trans(k))
+        else:
+            qk = tl.dot(q, tl.trans(k))
         if INLINE_SCALES:
             scale_at = page.to(tl.int64) * (stride_kb // 4) + scales_offset + n % BLOCK_SIZE
             qk = qk * tl.load(k_scales_ptr + scale_at, mask=n < hi, other=0.0)[None, :]
