@@ -475,10 +475,12 @@ def _prefetch_decode_tile(
     BLOCK_SIZE: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
 ):
-    """Ask L2 for the first key and value tile of a decode split, from lengths and pages read past L1.
+    """The sequence's length, read past L1 before the PDL wait (a step input: no kernel of the step writes it), for
+    the program to use after the wait; and its split's first key and value tile asked of L2, from pages read the
+    same way.
 
-    Before the PDL wait, while the kernel before (which writes q and the newest key) may still run: the
-    lines are only a hint, and the split's program reads everything again, in order, after the wait.
+    While the kernel before (which writes q and the newest key) may still run: the lines are only a hint, and the
+    split's program reads them again, in order, after the wait.
     """
     seq_len = tl.load(seq_len_ptr, cache_modifier=".cg")
     active, lo, _ = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
@@ -491,6 +493,7 @@ def _prefetch_decode_tile(
         offs = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
         prefetch_to_l2(k_cache_ptr + offs)
         prefetch_to_l2(v_cache_ptr + offs)
+    return seq_len
 
 
 @triton.jit
@@ -638,9 +641,10 @@ def _attention_kernel(
 ):
     kv_head = tl.program_id(0) % num_kv_heads  # the fastest-varying index
     pid = tl.program_id(0) // num_kv_heads
+    seq_len_before_wait = 0
     if USE_PDL and DECODE_ONLY:  # decode programs only
         seq = pid % num_seqs
-        _prefetch_decode_tile(
+        seq_len_before_wait = _prefetch_decode_tile(
             k_cache_ptr,
             v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt,
@@ -671,7 +675,10 @@ def _attention_kernel(
         else:
             q_start = tl.load(query_start_loc_ptr + seq)
             q_end = tl.load(query_start_loc_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
+        if USE_PDL and DECODE_ONLY:  # one round trip less after the wait
+            seq_len = seq_len_before_wait
+        else:
+            seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
         if q_end - q_start == 1:
             _decode_program(
                 q_ptr,
