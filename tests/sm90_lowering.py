@@ -208,6 +208,11 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
         assert (0 <= prefetched < ptx.find("griddepcontrol.wait")) == decode_only
         # an FP8 cache's value tiles leave shared memory in vectors, not a byte a load (see `_fp8_to_f16`)
         assert "ld.shared.b8" not in ptx
+        if lone and not fp8_cache:  # a tile's values and keys are both asked for before either moves (`_held`)
+            loop = ptx[ptx.index("Inner Loop Header") :].splitlines()
+            first_move = next(i for i, line in enumerate(loop) if "st.shared.v4" in line)
+            tile_loads = config.decode_block_n * 128 * 2 // (warps * 32 * 16)  # 16-byte loads a thread, a tile
+            assert sum("ld.global.v4" in line for line in loop[:first_move]) == 2 * tile_loads
     # launches that split no context: their own decode tiles, a merge of one
     for decode_only in (False, True):
         unsplit = constexprs | {"DECODE_BLOCK_N": config.unsplit_block_n, "SPLITS": 1, "DECODE_ONLY": decode_only}

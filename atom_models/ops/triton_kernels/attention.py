@@ -63,7 +63,7 @@ EMPTY_LSE = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
 # Inline PTX where the kernels are compiled for NVIDIA GPUs; the interpreter (CPU tests) and ROCm run the same
 # arithmetic through Triton's own conversion.
-FP8_ASM = tl.constexpr(not triton.knobs.runtime.interpret and torch.version.hip is None)
+PTX_ASM = tl.constexpr(not triton.knobs.runtime.interpret and torch.version.hip is None)
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,13 @@ def _fp8_to_f16(x):
 
 
 @triton.jit
+def _held(x):
+    """16-bit x unchanged, through an opaque (impure) asm op: Triton converts a loaded tile to its MMA layout right
+    after the load, which waits for the data; a tile passed through here is converted only after this point."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
 def _attend(
     acc,
     l_i,
@@ -170,7 +177,12 @@ def _attend(
     `k/v_scales_ptr`; this head's row at `scales_offset` into a block) and multiplies its scores and its p.
     VALUES_WITH_KEYS: a tile's values are asked for with its keys, not after the scores. For launches in one
     pipeline stage (a lone sequence's decode), where nothing else overlaps the two loads: Qwen3-0.6B batch 1
-    0.854 -> 0.841-0.844 ms a step (H100, thirteenth session); pipelined launches already load them early.
+    0.854 -> 0.841-0.844 ms a step (H100, thirteenth session); pipelined launches already load them early. The
+    values are asked for first and held out of their MMA layout until the second product (`_held`): Triton
+    moves a loaded tile into shared memory right after its load, and the keys' move, waiting for the keys,
+    came before the values' loads were issued (sm_90 PTX), so the two loads took a round trip each. The queries
+    likewise, whose move sat between their load and the first page's: after the wait, a lone split now waits for
+    its length, then its queries and pages, then its keys and values (three round trips, not five).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -178,10 +190,13 @@ def _attend(
         n = start + offs_n
         page = tl.load(table_ptr + n // BLOCK_SIZE, mask=n < hi, other=0)
         offs = page.to(tl.int64)[:, None] * stride_kb + ((n % BLOCK_SIZE) * stride_ks + kv_head_offset)[:, None]
-        k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
         if VALUES_WITH_KEYS:
             v = tl.load(v_cache_ptr + offs + offs_d[None, :])
-        qk = tl.dot(q, tl.trans(k))
+        k = tl.load(k_cache_ptr + offs + offs_d[None, :]).to(q.dtype)
+        if VALUES_WITH_KEYS and PTX_ASM and q.dtype.primitive_bitwidth == 16:  # q's move after these loads too
+            qk = tl.dot(_held(q), tl.trans(k))
+        else:
+            qk = tl.dot(q, tl.trans(k))
         if INLINE_SCALES:
             scale_at = page.to(tl.int64) * (stride_kb // 4) + scales_offset + n % BLOCK_SIZE
             qk = qk * tl.load(k_scales_ptr + scale_at, mask=n < hi, other=0.0)[None, :]
@@ -194,13 +209,15 @@ def _attend(
         alpha = tl.math.exp2(m_i - m_new)
         if not VALUES_WITH_KEYS:
             v = tl.load(v_cache_ptr + offs + offs_d[None, :])
+        elif PTX_ASM and v.dtype.primitive_bitwidth == 16:  # (an FP8 tile's conversion below is as opaque)
+            v = _held(v)
         if INLINE_SCALES:  # p times each value's amax (its scale x 448, undone at the end: scales can lie below fp16's
             # range), in q's dtype
             v_amax = tl.load(v_scales_ptr + scale_at, mask=n < hi, other=0.0) * FP8_MAX_C
             p_v = (p * v_amax[None, :]).to(q.dtype)
-            v = (_fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)).to(q.dtype)
+            v = (_fp8_to_f16(v) if PTX_ASM else v.to(tl.float16)).to(q.dtype)
         elif v.dtype == tl.float8e4nv and q.dtype != tl.float32:  # fp16 products: e4m3 fits, p in [0, 1] gains bits
-            v = _fp8_to_f16(v) if FP8_ASM else v.to(tl.float16)
+            v = _fp8_to_f16(v) if PTX_ASM else v.to(tl.float16)
             p_v = p.to(tl.float16)
         else:
             v = v.to(q.dtype)
@@ -458,10 +475,12 @@ def _prefetch_decode_tile(
     BLOCK_SIZE: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
 ):
-    """Ask L2 for the first key and value tile of a decode split, from lengths and pages read past L1.
+    """The sequence's length, read past L1 before the PDL wait (a step input: no kernel of the step writes it), for
+    the program to use after the wait; and its split's first key and value tile asked of L2, from pages read the
+    same way.
 
-    Before the PDL wait, while the kernel before (which writes q and the newest key) may still run: the
-    lines are only a hint, and the split's program reads everything again, in order, after the wait.
+    While the kernel before (which writes q and the newest key) may still run: the lines are only a hint, and the
+    split's program reads them again, in order, after the wait.
     """
     seq_len = tl.load(seq_len_ptr, cache_modifier=".cg")
     active, lo, _ = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
@@ -474,6 +493,7 @@ def _prefetch_decode_tile(
         offs = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
         prefetch_to_l2(k_cache_ptr + offs)
         prefetch_to_l2(v_cache_ptr + offs)
+    return seq_len
 
 
 @triton.jit
@@ -621,9 +641,10 @@ def _attention_kernel(
 ):
     kv_head = tl.program_id(0) % num_kv_heads  # the fastest-varying index
     pid = tl.program_id(0) // num_kv_heads
+    seq_len_before_wait = 0
     if USE_PDL and DECODE_ONLY:  # decode programs only
         seq = pid % num_seqs
-        _prefetch_decode_tile(
+        seq_len_before_wait = _prefetch_decode_tile(
             k_cache_ptr,
             v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt,
@@ -654,7 +675,10 @@ def _attention_kernel(
         else:
             q_start = tl.load(query_start_loc_ptr + seq)
             q_end = tl.load(query_start_loc_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
+        if USE_PDL and DECODE_ONLY:  # one round trip less after the wait
+            seq_len = seq_len_before_wait
+        else:
+            seq_len = tl.load(seq_lens_ptr + seq)  # loaded with the others: one round trip, not two
         if q_end - q_start == 1:
             _decode_program(
                 q_ptr,
