@@ -182,7 +182,9 @@ def _attend(
     moves a loaded tile into shared memory right after its load, and the keys' move, waiting for the keys,
     came before the values' loads were issued (sm_90 PTX), so the two loads took a round trip each. The queries
     likewise, whose move sat between their load and the first page's: after the wait, a lone split now waits for
-    its length, then its queries and pages, then its keys and values (three round trips, not five).
+    its length, then its queries and pages, then its keys and values (three round trips, not five; with the length
+    read before the PDL wait, two): Llama-3 batch 1 at context 4096 1.35 -> 1.37-1.38 TB/s, Qwen3-0.6B batch-1
+    decoder layer 23.56 -> 23.12 us (H100, nineteenth session).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
