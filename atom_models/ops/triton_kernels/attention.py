@@ -37,6 +37,7 @@ rounded to the activation dtype for the second product, as flash attention does 
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -112,9 +113,10 @@ def default_config(head_dim: int) -> AttentionConfig:
     # (H100, twelfth session): batch 1 at context 4096 0.0187 -> 0.0153 ms (0.90 -> 1.10 TB/s), at 432 9.5 -> 8.9
     # us; Qwen3-0.6B's batch-1 graph 0.842 -> 0.834 ms; one stage for batch 8's launch lost (2.10 -> 2.02 TB/s, 1.24
     # -> 1.27 ms a step: its splits walk several tiles). Larger head dims halve the tiles (unmeasured).
+    lone = int(os.environ.get("ATOM_LONE_WAVES", "4"))  # EXPERIMENT: A/B on the GPU
     if head_dim > 128:
-        return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64, 256, 2)
-    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64, 512, 1)
+        return AttentionConfig(64, 32, 4, 2, 64, 4, 4, lone, 64, 256, 2)
+    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, lone, 64, 512, 1)
 
 
 @triton.jit
@@ -482,7 +484,7 @@ def _prefetch_decode_tile(
     same way.
 
     While the kernel before (which writes q and the newest key) may still run: the lines are only a hint, and the
-    split's program reads them again, in order, after the wait.
+    split's program reads them again, in order, after the wait. Also returns whether the split has keys.
     """
     seq_len = tl.load(seq_len_ptr, cache_modifier=".cg")
     active, lo, _ = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
@@ -495,7 +497,7 @@ def _prefetch_decode_tile(
         offs = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
         prefetch_to_l2(k_cache_ptr + offs)
         prefetch_to_l2(v_cache_ptr + offs)
-    return seq_len
+    return seq_len, split < active
 
 
 @triton.jit
@@ -644,9 +646,10 @@ def _attention_kernel(
     kv_head = tl.program_id(0) % num_kv_heads  # the fastest-varying index
     pid = tl.program_id(0) // num_kv_heads
     seq_len_before_wait = 0
+    has_keys = True
     if USE_PDL and DECODE_ONLY:  # decode programs only
         seq = pid % num_seqs
-        seq_len_before_wait = _prefetch_decode_tile(
+        seq_len_before_wait, has_keys = _prefetch_decode_tile(
             k_cache_ptr,
             v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt,
@@ -661,7 +664,8 @@ def _attention_kernel(
             BLOCK_SIZE,
             DECODE_SPLIT_KEYS,
         )
-    wait_for_previous_kernel(USE_PDL)
+    if has_keys:  # a split without keys does nothing: it ends here, not after the kernel before
+        wait_for_previous_kernel(USE_PDL)
     if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
