@@ -99,22 +99,24 @@ class AttentionConfig:
 
 
 def default_config(head_dim: int) -> AttentionConfig:
-    # From `benchmarks/bench_kernels.py --sweep` on H100 (head_dim 128, GQA 32/8). Prefill (5055e01): 256x64
-    # tiles with 8 warps led both cases (8x1024 causal 261 TFLOP/s against 255 for the 128x32 / 4 warps of
-    # before, 1x8192 426 against 351); 128x128 / 8 warps 238 / 388. Decode (2026-11-26): 128-key tiles, 4 warps
-    # (8 lost everywhere), splits for one program a multiprocessor: fewer, longer splits than with 4 (batch 8 at
-    # context 4096 2.10 TB/s against 1.96, batch 32 at 2048 2.52 / 2.28), except for a lone sequence, where 4
-    # won in the model (Qwen3-0.6B at context 432, 0.879 against 0.898 ms a step). Where the batch alone fills
-    # the grid (no split), 64-key tiles: batch 64 at 2048 2.75 against 2.62, batch 128-256 even or better; in
-    # the model batch 64 2.781 -> 2.494 ms a step with the merge sized to the launch. In a batch, a split every
-    # 512 keys (batch 8 at context 432 takes one, no merge: 1.289 -> 1.246 ms a step); a lone sequence split by
-    # 256 or 512 lost (0.936 / 0.963 against 0.879). A lone sequence's launch in one pipeline stage, not 3
-    # (H100, twelfth session): batch 1 at context 4096 0.0187 -> 0.0153 ms (0.90 -> 1.10 TB/s), at 432 9.5 -> 8.9
-    # us; Qwen3-0.6B's batch-1 graph 0.842 -> 0.834 ms; one stage for batch 8's launch lost (2.10 -> 2.02 TB/s, 1.24
-    # -> 1.27 ms a step: its splits walk several tiles). Larger head dims halve the tiles (unmeasured).
+    # From `benchmarks/bench_kernels.py --sweep` on H100 (head_dim 128, GQA 32/8). Prefill (5055e01): 256x64 tiles with
+    # 8 warps led both cases (8x1024 causal 261 TFLOP/s against 255 for the 128x32 / 4 warps of before, 1x8192 426
+    # against 351); 128x128 / 8 warps 238 / 388. Decode (2026-11-26): 128-key tiles, 4 warps (8 lost everywhere), splits
+    # for one program a multiprocessor: fewer, longer splits than with 4 (batch 8 at context 4096 2.10 TB/s against
+    # 1.96, batch 32 at 2048 2.52 / 2.28), except for a lone sequence (below). Where the batch alone fills the grid (no
+    # split), 64-key tiles: batch 64 at 2048 2.75 against 2.62, batch 128-256 even or better; in the model batch 64
+    # 2.781 -> 2.494 ms a step with the merge sized to the launch. In a batch, a split every 512 keys (batch 8 at
+    # context 432 takes one, no merge: 1.289 -> 1.246 ms a step); a lone sequence split by 256 or 512 lost (0.936 /
+    # 0.963 against 0.879). A lone sequence's launch in one pipeline stage, not 3 (H100, twelfth session): batch 1 at
+    # context 4096 0.0187 -> 0.0153 ms (0.90 -> 1.10 TB/s), at 432 9.5 -> 8.9 us; Qwen3-0.6B's batch-1 graph 0.842 ->
+    # 0.834 ms; one stage for batch 8's launch lost (2.10 -> 2.02 TB/s, 1.24 -> 1.27 ms a step: its splits walk several
+    # tiles). A lone sequence's grid at 2 programs a multiprocessor, not 4 (H100, nineteenth session): 33 splits
+    # launched, where a context of 4096 keys uses 32 and 4 launched 64 (the idle half, at two programs a multiprocessor,
+    # a second wave); batch 1 at 4096 1.38 -> 1.52 TB/s, Qwen3-0.6B's batch-1 step even (0.747-0.757 ms, splits without
+    # keys ending before the PDL wait). Larger head dims halve the tiles (unmeasured).
     if head_dim > 128:
         return AttentionConfig(64, 32, 4, 2, 64, 4, 4, 4, 64, 256, 2)
-    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 4, 64, 512, 1)
+    return AttentionConfig(256, 64, 8, 3, 128, 1, 4, 2, 64, 512, 1)
 
 
 @triton.jit
@@ -482,7 +484,7 @@ def _prefetch_decode_tile(
     same way.
 
     While the kernel before (which writes q and the newest key) may still run: the lines are only a hint, and the
-    split's program reads them again, in order, after the wait.
+    split's program reads them again, in order, after the wait. Also returns whether the split has keys.
     """
     seq_len = tl.load(seq_len_ptr, cache_modifier=".cg")
     active, lo, _ = _split_range(seq_len, split, num_splits, BLOCK_N, SPLIT_KEYS)
@@ -495,7 +497,7 @@ def _prefetch_decode_tile(
         offs = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
         prefetch_to_l2(k_cache_ptr + offs)
         prefetch_to_l2(v_cache_ptr + offs)
-    return seq_len
+    return seq_len, split < active
 
 
 @triton.jit
@@ -644,9 +646,10 @@ def _attention_kernel(
     kv_head = tl.program_id(0) % num_kv_heads  # the fastest-varying index
     pid = tl.program_id(0) // num_kv_heads
     seq_len_before_wait = 0
+    has_keys = True
     if USE_PDL and DECODE_ONLY:  # decode programs only
         seq = pid % num_seqs
-        seq_len_before_wait = _prefetch_decode_tile(
+        seq_len_before_wait, has_keys = _prefetch_decode_tile(
             k_cache_ptr,
             v_cache_ptr,
             block_tables_ptr + seq.to(tl.int64) * stride_bt,
@@ -661,7 +664,10 @@ def _attention_kernel(
             BLOCK_SIZE,
             DECODE_SPLIT_KEYS,
         )
-    wait_for_previous_kernel(USE_PDL)
+    # A split without keys does nothing: it ends here, not after the kernel before, and leaves its place to those
+    # with keys (Qwen3-0.6B batch 1 at context 400, 4 of 64 splits with keys: 0.758-0.765 -> 0.747-0.749 ms a step).
+    if has_keys:
+        wait_for_previous_kernel(USE_PDL)
     if KV_SCALES:  # an FP8 cache holds k / k_scale and v / v_scale: scale the scores and the output back
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
