@@ -13,6 +13,7 @@ from atom_compile.artifact import ArtifactError, read_manifest
 from atom_compile.export import LEVELS, WEIGHT_MODES, ExportOptions, export_model
 from atom_compile.passes import list_passes
 from atom_models import UnsupportedModelError, WeightLoadError
+from atom_models.loader import DTYPES
 
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ArtifactError, WeightLoadError, UnsupportedModelError)
 
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("model_dir", type=Path, help="HF model directory (config.json, *.safetensors, tokenizer)")
     export.add_argument("-o", "--output", type=Path, required=True, help="artifact directory to write")
     export.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    export.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    export.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     export.add_argument(
         "--passes", default=None, help="pass names, or +name,-name edits of the default list (write --passes=-name)"
     )

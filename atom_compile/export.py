@@ -23,7 +23,7 @@ from atom_compile.graphs.warmup import TRITON_CACHE, warm_kernels
 from atom_compile.load import load_pieces, load_top_graph
 from atom_compile.passes import resolve_pipeline, run_passes
 from atom_compile.trace import TracedModel, trace_model
-from atom_models import load_config, resolve_dtype
+from atom_models import load_config, resolve_device, resolve_dtype
 from atom_models.loader import build_model, checkpoint_files, fill_dummy_weights, load_weights
 from atom_models.ops import available_backends, default_backend, use_backend
 
@@ -63,16 +63,11 @@ def _say(message: str) -> None:
     print(f"[atom-compile] {message}", file=sys.stderr, flush=True)
 
 
-def resolve_export_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def trace_model_dir(model_dir: str | Path, options: ExportOptions) -> tuple[torch.nn.Module, TracedModel]:
     """Build the model on the export device with its weights, and trace it."""
-    device = resolve_export_device(options.device)
+    device = resolve_device(options.device)
     config = load_config(model_dir)
+    _say(f"loading {model_dir} on {device}")
     dtype = resolve_dtype(options.dtype, config)
     model = build_model(config, dtype, device, options.quantization)
     if options.load_dummy:
@@ -87,7 +82,7 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
     options = options or ExportOptions()
     options.validate()
     model_dir, output = Path(model_dir).resolve(), Path(output)
-    device = resolve_export_device(options.device)
+    device = resolve_device(options.device)
     backend = options.backend or default_backend(device)
     if backend not in available_backends(device):
         raise ValueError(
@@ -95,7 +90,6 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         )
     started = time.perf_counter()
     with use_backend(backend):
-        _say(f"loading {model_dir} on {device}")
         model, traced = trace_model_dir(model_dir, options)
         _say(f"traced {len(traced.graph_module.graph.nodes)} nodes")
         pipeline = resolve_pipeline(options.passes)

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from atom_models import ops  # noqa: F401  (registers torch.ops.atom.*)
 from atom_models.layers import AttentionMetadata
-from atom_models.loader import WeightLoadError, load_config, load_model, resolve_dtype
+from atom_models.loader import WeightLoadError, load_config, load_model, resolve_device, resolve_dtype
 from atom_models.registry import MODEL_REGISTRY, UnsupportedModelError, model_class_for
 
 __all__ = [
@@ -15,5 +15,6 @@ __all__ = [
     "load_config",
     "load_model",
     "model_class_for",
+    "resolve_device",
     "resolve_dtype",
 ]

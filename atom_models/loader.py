@@ -38,9 +38,27 @@ class WeightLoadError(ValueError):
 
 def load_config(model_dir: str | Path) -> PretrainedConfig:
     path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not an HF model directory")
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as error:  # transformers' word for a config.json it cannot parse
+        raise ValueError(f"{path / 'config.json'} could not be read: {str(error).splitlines()[0]}") from None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' is the GPU where torch sees one; a device that is not there is the user's error, named."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {str(device)!r}; choose auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:

@@ -24,7 +24,7 @@ from atom_runtime.default_model import DEMO_NAME, default_artifact
 from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
 from atom_runtime.loading import create_engine
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.server.api_server import run_server
+from atom_runtime.server.api_server import check_listen_address, run_server
 from atom_runtime.server.profiler import EngineProfiler
 
 USAGE_ERROR = 2
@@ -42,18 +42,28 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="atom-run", description="Serve or run an LLM with atom.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model", type=Path, nargs="?", help="model or artifact directory (default: the demo model)")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument(
         "--api-key",
         default=os.environ.get("ATOM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $ATOM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: $ATOM_API_KEY)",
     )
     serve.add_argument("--served-model-name", help="the model name clients use (default: the directory's name)")
     serve.add_argument(
@@ -69,8 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-token-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
-    generate.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens)
-    generate.add_argument("--temperature", type=float, default=SamplingParams.temperature)
+    generate.add_argument(
+        "--max-tokens",
+        type=int,
+        default=SamplingParams.max_tokens,
+        help="most tokens to generate (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--temperature", type=float, default=SamplingParams.temperature, help="0: greedy (default: %(default)s)"
+    )
     generate.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
     add_engine_args(generate)  # its --seed also seeds this request's sampling
     return parser
@@ -86,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is not None and not args.model.exists():
         parser.error(f"model directory {str(args.model)!r} does not exist")
     try:
+        if args.command == "serve":  # before the model loads (or the demo model exports)
+            check_listen_address(args.host, args.port)
         if args.model is None:
             args.model = default_artifact(args.device, args.dtype, args.quantization)
             args.device, args.dtype, args.quantization = "auto", "auto", None  # fixed by that export

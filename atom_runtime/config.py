@@ -40,6 +40,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.cpu_kvcache_space_gib <= 0:
+            raise ValueError(f"cpu_kvcache_space_gib must be positive, got {self.cpu_kvcache_space_gib}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be positive, got {self.num_kvcache_blocks}")
         self.cudagraph_mode = self.cudagraph_mode.upper()
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")

@@ -20,8 +20,8 @@ import torch
 import atom_compile
 import atom_models
 from atom_compile import artifact
+from atom_models import resolve_device
 from atom_models.ops import default_backend
-from atom_runtime.loading import resolve_device
 
 DEMO_DIR = Path(atom_models.__file__).parent / "demo"
 DEMO_NAME = "atom-demo"

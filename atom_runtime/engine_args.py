@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from atom_models.loader import DTYPES
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
 
 _DEFAULTS = EngineConfig()
@@ -29,7 +30,9 @@ def capture_sizes(text: str) -> list[int]:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto", help="weight and activation dtype (auto: the checkpoint's)")
+    group.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="weights' and activations' dtype (auto: the model's)"
+    )
     group.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")
     group.add_argument("--quantization", choices=["fp8"], default=None, help="quantize an HF model's weights online")

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from atom_compile import is_artifact, load_artifact
-from atom_models import load_config, resolve_dtype
+from atom_models import load_config, resolve_device, resolve_dtype
 from atom_models.loader import build_model, fill_dummy_weights, load_weights
 from atom_models.ops import default_backend, set_backend
 from atom_runtime.async_engine import AsyncEngine
@@ -20,15 +20,6 @@ from atom_runtime.model_runner import LoadedModel, ModelRunner
 from atom_runtime.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA device")
-    return device
 
 
 def load_hf_model(

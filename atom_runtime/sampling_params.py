@@ -70,8 +70,13 @@ class SamplingParams:
             f"max_tokens must be at least 1, got {self.max_tokens}",
         )
         check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+        )
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
-        check(0 < self.repetition_penalty <= 2, "repetition_penalty", "repetition_penalty must be in (0, 2]")
+        check(self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from atom_runtime import LLM, EngineConfig, SamplingParams
 from atom_runtime.cli import build_parser, main
@@ -74,6 +75,10 @@ def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
         (["generate", "{model}", "--prompt", "x" * 20, "--max-model-len", "16"], "the prompt has 20 tokens"),
         (["generate", "{model}", "--prompt-token-ids", "5000"], "outside the vocabulary"),
         (["serve", "{model}", "--port", "http"], "invalid int value: 'http'"),
+        (["serve", "{model}", "--port", "70000"], "a port is 0-65535, got 70000"),
+        (["generate", "{model}", "--prompt", "x", "--cpu-kvcache-space-gib", "0"], "cpu_kvcache_space_gib must be"),
+        (["generate", "{model}", "--prompt", "x", "--dtype", "half-ish"], "invalid choice: 'half-ish'"),
+        (["generate", "{model}", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
         (["launch", "{model}"], "invalid choice: 'launch'"),
     ],
 )
@@ -85,6 +90,27 @@ def test_bad_input_is_one_line_and_exit_2(tiny_llama, capsys, args, message):
     *before, last = err.strip().splitlines()  # before: progress bars of weight loading, if it got that far
     assert last.startswith("atom-run") and ": error: " in last and message in last
     assert "Traceback" not in err and not any("error" in line for line in before)
+
+
+def test_serve_on_a_port_in_use_fails_before_loading(tiny_llama, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as info:
+            main(["serve", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port)])
+    assert info.value.code == 2 and time.monotonic() - started < 2  # the model never loaded
+    expected = f"atom-run: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert capsys.readouterr().err.strip() == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA device is there")
+def test_cuda_without_a_gpu_is_one_line(tiny_llama, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", str(tiny_llama), "--prompt", "x", "--device", "cuda"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("device 'cuda' was asked for, but torch sees no CUDA device")
 
 
 def test_bad_input_from_the_console_script(tiny_llama):

@@ -264,7 +264,17 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
     assert compile_cli(["show", str(tmp_path / "a")]) == 0
     shown = capsys.readouterr().out
     assert "atom.unified_attention×1" in shown and "passes:" in shown and "def forward" in shown
-    assert compile_cli(["export", str(tmp_path / "missing"), "-o", str(tmp_path / "b")]) == 2
-    assert "has no config.json" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    for model_dir, flags, message in [
+        ("missing", [], "model directory"),
+        ("empty", [], "has no config.json"),
+        ("broken", [], "config.json could not be read"),
+        (tiny_llama, ["--device", "tpu"], "unknown device 'tpu'"),
+    ]:
+        assert compile_cli(["export", str(tmp_path / model_dir), "-o", str(tmp_path / "b"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("atom-compile: error: ") and message in err, err
     assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "b"), "--passes", "+nope"]) == 2
     assert "unknown pass 'nope'" in capsys.readouterr().err

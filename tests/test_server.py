@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import os
 import pickle
 import socket
@@ -379,6 +380,7 @@ def test_non_stream_disconnect_frees_blocks(server, engine):
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 BAD_REQUESTS = {
     "malformed json": (COMPLETIONS, b'{"prompt": "hi",', 400, None),
     "not an object": (COMPLETIONS, b"[1, 2]", 400, None),
@@ -431,6 +433,36 @@ BAD_REQUESTS = {
         400,
         "stream_options",
     ),
+    "min_tokens > max_tokens": (COMPLETIONS, {"prompt": "hi", "min_tokens": 10, "max_tokens": 4}, 400, "min_tokens"),
+    "repetition_penalty 0": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
+    # known features this server does not implement: refused by name, never silently ignored
+    "tools": (CHAT, {"messages": OK_CHAT, "tools": [TOOL]}, 400, "tools"),
+    "tools, auto": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "auto"}, 400, "tools"),
+    "tool_choice required": (
+        CHAT,
+        {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
+    "tool_choice a function": (
+        CHAT,
+        {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        400,
+        "tool_choice",
+    ),
+    "legacy functions": (CHAT, {"messages": OK_CHAT, "functions": [TOOL["function"]]}, 400, "functions"),
+    "json mode": (CHAT, {"messages": OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    "json schema": (
+        COMPLETIONS,
+        {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        400,
+        "response_format",
+    ),
+    "guided_json": (COMPLETIONS, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    "guided_choice": (CHAT, {"messages": OK_CHAT, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    "logit_bias": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    "suffix": (COMPLETIONS, {"prompt": "hi", "suffix": "xyz"}, 400, "suffix"),
+    "best_of above n": (COMPLETIONS, {"prompt": "hi", "n": 1, "best_of": 3}, 400, "best_of"),
 }
 
 
@@ -452,6 +484,27 @@ def assert_still_serving(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     response = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "still there?", "max_tokens": 2})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+NO_OP_FIELDS = {
+    "tools, none": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "none"}),
+    "tool_choice auto, no tools": (CHAT, {"messages": OK_CHAT, "tool_choice": "auto", "tools": []}),
+    "text response_format": (CHAT, {"messages": OK_CHAT, "response_format": {"type": "text"}}),
+    "empty logit_bias": (COMPLETIONS, {"prompt": "hi", "logit_bias": {}}),
+    "best_of n": (COMPLETIONS, {"prompt": "hi", "n": 2, "best_of": 2}),
+    "empty suffix": (COMPLETIONS, {"prompt": "hi", "suffix": ""}),
+    "an unknown field": (COMPLETIONS, {"prompt": "hi", "user": "me", "no_such_field": 1}),
+}
+
+
+@pytest.mark.parametrize("case", NO_OP_FIELDS, ids=list(NO_OP_FIELDS))
+def test_unimplemented_fields_pass_where_they_change_nothing(http, case, caplog):
+    path, body = NO_OP_FIELDS[case]
+    with caplog.at_level(logging.WARNING, logger="atom_runtime.server.api_server"):
+        response = http.post(path, json={**body, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    logged = "ignored fields the server does not know: no_such_field, user" in caplog.text
+    assert logged == (case == "an unknown field")
 
 
 @pytest.mark.parametrize(("method", "path", "status"), [("GET", "/no/such/route", 404), ("GET", COMPLETIONS, 405)])
@@ -479,7 +532,6 @@ def test_openai_client_raises_on_bad_input(client):
         ("POST", COMPLETIONS),
         ("POST", CHAT),
         ("GET", "/v1/models"),
-        ("GET", "/metrics"),
         ("POST", "/start_profile"),
         ("POST", "/stop_profile"),
     ],
@@ -497,6 +549,7 @@ def test_api_key_with_openai_client(server, client):
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
     assert httpx.get(f"{server.url}/health").status_code == 200  # /health needs no key
+    assert httpx.get(f"{server.url}/metrics").status_code == 200  # nor /metrics (a Prometheus scraper), as in vLLM
     assert client.models.list().data
 
 

@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncEngine`, run by uvicorn on uvloop.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-/start_profile, /stop_profile. With an API key, every route but /health wants
-`Authorization: Bearer KEY`.
+/start_profile, /stop_profile. With an API key, every route but /health and /metrics wants
+`Authorization: Bearer KEY` (as vLLM's: a Prometheus scraper needs no key).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import secrets
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -31,6 +33,7 @@ from atom_runtime.server.protocol import ChatCompletionRequest, CompletionReques
 from atom_runtime.server.serving import OpenAIServing
 
 M = TypeVar("M", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 
 def _body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
@@ -43,7 +46,10 @@ def _body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:
             raise APIError(HTTPStatus.BAD_REQUEST, f"the request body is not valid UTF-8: {error}") from error
-        return model.model_validate_json(text)
+        parsed = model.model_validate_json(text)
+        if ignored := getattr(parsed, "ignored_fields", None):
+            logger.warning("%s: ignored fields the server does not know: %s", request.url.path, ", ".join(ignored))
+        return parsed
 
     return parse
 
@@ -84,6 +90,10 @@ def build_app(
             )
         return Response(status_code=HTTPStatus.OK)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     router = APIRouter(dependencies=[Depends(_api_key_check(api_key))] if api_key else [])
 
     @router.post("/v1/completions")
@@ -101,10 +111,6 @@ def build_app(
     @router.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, root=model_path, max_model_len=engine.max_model_len)])
-
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def need_profiler() -> EngineProfiler:
         if profiler is None:
@@ -129,6 +135,20 @@ def build_app(
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Fails now, in one line, where uvicorn would fail only after the model has loaded: a port in use, a host
+    that is not this machine's."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except (OSError, OverflowError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise ValueError(f"cannot listen on {host}:{port}: {reason}") from None
 
 
 def run_server(args: argparse.Namespace) -> None:

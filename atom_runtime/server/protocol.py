@@ -2,13 +2,15 @@
 
 Requests are validated strictly (a string where a number belongs is an error, not a guess)
 and accept vLLM's extra sampling fields. Value ranges are checked by `SamplingParams` and
-the engine, which know the limits; these models only check shapes and types.
+the engine, which know the limits; these models only check shapes and types. A field the server
+does not know is ignored (and logged), as vLLM does; one it knows but does not implement, and
+that would change the output (tools, structured output, logit_bias, ...), is refused by name.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,12 +25,25 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+def _unset(value: Any) -> bool:
+    return value is None or value == {} or value == [] or value == ""
+
+
+def _refuse(field: str, what: str) -> None:
+    raise InvalidRequestError(f"{field}: {what} is not supported by this server", field)
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
 class _SamplingFields(_Request):
-    """Fields shared by both endpoints, OpenAI's and vLLM's extras."""
+    """Fields shared by both endpoints, OpenAI's and vLLM's extras.
+
+    The top-level request keeps its unknown fields (`model_extra`) so the server can log them.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -50,8 +65,31 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # add the prompt's and each choice's token ids to the response
+    # Known, not implemented: refused unless unset (`_refuse_unsupported`).
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The request's fields this server does not know (vLLM logs them too)."""
+        return sorted(self.model_extra or {})
+
+    def _refuse_unsupported(self) -> None:
+        if not _unset(self.logit_bias):
+            _refuse("logit_bias", "biasing token logits")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            _refuse("response_format", f"structured output ({self.response_format.get('type')!r})")
+        for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if not _unset(getattr(self, field)):
+                _refuse(field, "guided decoding")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")
         defaults = SamplingParams
@@ -87,8 +125,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # refused unless empty
+    best_of: int | None = None  # refused unless n
 
     def sampling_params(self) -> SamplingParams:
+        if not _unset(self.suffix):
+            _refuse("suffix", "a suffix (insertion)")
+        if self.best_of is not None and self.best_of != self.n:
+            _refuse("best_of", f"best_of other than n ({self.best_of} against n={self.n})")
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo with logprobs needs prompt logprobs, which are not supported", "echo")
         return self._sampling_params(self.max_tokens, self.logprobs)
@@ -128,8 +172,17 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Function calling: refused unless no tool may be called.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
+        for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+            offered, chosen = getattr(self, tools), getattr(self, choice)
+            if chosen not in (None, "none", "auto") or (not _unset(offered) and chosen != "none"):
+                _refuse(tools if chosen in (None, "auto") else choice, "function calling")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
