@@ -28,6 +28,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+import atom_models
 from atom_runtime.config import EngineConfig
 from atom_runtime.core_client import _picklable
 from atom_runtime.loading import create_engine
@@ -124,10 +125,15 @@ def wait_until_idle(engine, timeout: float = 10.0) -> None:
 # ---- the openai client ------------------------------------------------------------------
 
 
-def test_models(client, tiny_llama):
+def test_models(client, tiny_llama, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].root == str(tiny_llama)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    assert httpx.get(f"{server.url}/version").json() == {"version": atom_models.__version__}
+    assert httpx.head(f"{server.url}/health").status_code == 200
 
 
 def test_completion(client, engine):
@@ -532,6 +538,7 @@ def test_openai_client_raises_on_bad_input(client):
         ("POST", COMPLETIONS),
         ("POST", CHAT),
         ("GET", "/v1/models"),
+        ("GET", f"/v1/models/{MODEL}"),
         ("POST", "/start_profile"),
         ("POST", "/stop_profile"),
     ],

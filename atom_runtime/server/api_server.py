@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncEngine`, run by uvicorn on uvloop.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-/start_profile, /stop_profile. With an API key, every route but /health and /metrics wants
+Routes: /v1/completions, /v1/chat/completions, /v1/models[/{model}], /health, /metrics, /version,
+/start_profile, /stop_profile. With an API key, every route but /health, /metrics and /version wants
 `Authorization: Bearer KEY` (as vLLM's: a Prometheus scraper needs no key).
 """
 
@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.responses import JSONResponse, Response
 
+import atom_models
 from atom_runtime.async_engine import AsyncEngine
 from atom_runtime.engine_args import create_engine_kwargs
 from atom_runtime.loading import create_engine
@@ -82,7 +83,7 @@ def build_app(
     app = FastAPI(title="atom", summary="OpenAI-compatible LLM server")
     install_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.is_healthy:
             return error_response(
@@ -93,6 +94,10 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": atom_models.__version__})
 
     router = APIRouter(dependencies=[Depends(_api_key_check(api_key))] if api_key else [])
 
@@ -108,9 +113,16 @@ def build_app(
     ) -> Response:
         return await serving.chat(request, raw)
 
+    card = ModelCard(id=served_model_name, root=model_path, max_model_len=engine.max_model_len)
+
     @router.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, root=model_path, max_model_len=engine.max_model_len)])
+        return ModelList(data=[card])
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return card
 
     def need_profiler() -> EngineProfiler:
         if profiler is None:

@@ -89,7 +89,7 @@ class OpenAIServing:
     # ---- /v1/completions ---------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
-        self._check_model(request.model)
+        self.check_model(request.model)
         params = request.sampling_params()
         prompts = [await self._prompt(p) for p in request.prompts()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -162,7 +162,7 @@ class OpenAIServing:
     # ---- /v1/chat/completions ----------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(request.model)
+        self.check_model(request.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             params = request.sampling_params()
@@ -256,7 +256,7 @@ class OpenAIServing:
 
     # ---- shared ------------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(
                 HTTPStatus.NOT_FOUND,
