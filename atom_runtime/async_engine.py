@@ -253,6 +253,7 @@ class AsyncEngine:
         finally:
             if not state.finished:
                 self._core.send(("abort", request_id, None))
+                self._record_aborted(state)
             self._states.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
@@ -334,6 +335,14 @@ class AsyncEngine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.backend_tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _record_aborted(self, state: _RequestState) -> None:
+        """A request its caller left (a client that went away): counted, with what it generated, as finished for
+        "abort", as vLLM counts it."""
+        state.metrics.finished_time = time.monotonic()
+        for completion in state.completions:
+            completion.finish_reason = completion.finish_reason or "abort"
+        self._record_finished(state)
 
     def _record_finished(self, state: _RequestState) -> None:
         m = state.metrics

@@ -357,8 +357,19 @@ def test_prefix_cache_hits_in_metrics(client, server):
     assert 0 < metric(server.url, "atom:prefix_cache_hit_rate") <= 1
 
 
+def aborted_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "atom:request_success_total" and s.labels["finished_reason"] == "abort"
+    )
+
+
 def test_stream_disconnect_frees_blocks(server, engine):
     wait_until_idle(engine)
+    aborted = aborted_requests(server.url)
     body = {"model": MODEL, "prompt": "Talk forever", "max_tokens": 900, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http,
@@ -372,6 +383,7 @@ def test_stream_disconnect_frees_blocks(server, engine):
     while metric(server.url, "atom:kv_cache_usage_perc") != 0 or metric(server.url, "atom:num_requests_running"):
         assert time.monotonic() < deadline, "/metrics still shows the aborted request"
         time.sleep(0.05)
+    assert aborted_requests(server.url) == aborted + 1  # counted as vLLM counts it
 
 
 def test_non_stream_disconnect_frees_blocks(server, engine):
