@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--temperature", type=float, default=SamplingParams.temperature, help="0: greedy (default: %(default)s)"
     )
+    generate.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus (default: %(default)s)")
+    generate.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="-1: off (default: %(default)s)")
     generate.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
     add_engine_args(generate)  # its --seed also seeds this request's sampling
     return parser
@@ -121,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def _generate(args: argparse.Namespace) -> None:
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
     engine = create_engine(args.model, **create_engine_kwargs(args))
     profiler = None
     try:

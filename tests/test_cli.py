@@ -54,6 +54,16 @@ def test_generate_token_ids_in_process(tiny_llama, llm, capsys):
     assert capsys.readouterr().out == expected[0].outputs[0].text + "\n"
 
 
+def test_generate_top_k_1_is_greedy(tiny_llama, capsys):
+    argv = ["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "8", "--json"]
+    main([*argv, "--temperature", "0"])
+    greedy = json.loads(capsys.readouterr().out)["token_ids"]
+    main([*argv, "--temperature", "1.5", "--top-k", "1", "--seed", "3"])
+    assert json.loads(capsys.readouterr().out)["token_ids"] == greedy
+    main([*argv, "--temperature", "1.5", "--top-p", "1e-6", "--seed", "3"])
+    assert json.loads(capsys.readouterr().out)["token_ids"] == greedy
+
+
 def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
     main(["generate", str(tiny_llama), "--prompt", "hi", "--max-tokens", "2", "--torch-profiler-dir", str(tmp_path)])
     assert list(tmp_path.glob("*.pt.trace.json.gz"))
@@ -69,6 +79,7 @@ def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
         (["generate", "{model}", "--prompt-token-ids", "1,x"], "comma-separated integers"),
         (["generate", "{model}", "--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
         (["generate", "{model}", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "{model}", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["generate", "{model}", "--prompt", "x", "--block-size", "0"], "block_size must be positive"),
         (["generate", "{model}", "--prompt", "x", "--kv-cache-dtype", "int3"], "invalid choice: 'int3'"),
         (["generate", "{model}", "--prompt", "x", "--max-model-len", "99999"], "exceeds the model's"),
