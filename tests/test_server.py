@@ -315,6 +315,30 @@ def test_token_id_prompt_and_batch(client, engine):
     assert streamed == {0: by_text, 1: other}
 
 
+def test_tokenize_and_detokenize(http, engine):
+    text = "Hello there, tokens"
+    response = http.post("/tokenize", json={"model": MODEL, "prompt": text})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    tokens = engine.tokenizer(text)["input_ids"]
+    assert body == {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    chat = http.post("/tokenize", json={"messages": OK_CHAT}).json()["tokens"]
+    templated = engine.tokenizer.apply_chat_template(OK_CHAT, add_generation_prompt=True, tokenize=False)
+    assert chat == engine.tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert http.post("/detokenize", json={"tokens": bare}).json() == {"prompt": engine.tokenizer.decode(bare)}
+    for path, bad, param in [
+        ("/tokenize", {"prompt": "x", "messages": OK_CHAT}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+    ]:
+        response = http.post(path, json=bad)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}).status_code == 404
+
+
 def test_echo(client):
     out = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True)
     assert out.choices[0].text.startswith("Echo me")
@@ -551,6 +575,8 @@ def test_openai_client_raises_on_bad_input(client):
         ("POST", CHAT),
         ("GET", "/v1/models"),
         ("GET", f"/v1/models/{MODEL}"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
         ("POST", "/start_profile"),
         ("POST", "/stop_profile"),
     ],

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncEngine`, run by uvicorn on uvloop.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models[/{model}], /health, /metrics, /version,
-/start_profile, /stop_profile. With an API key, every route but /health, /metrics and /version wants
+Routes: /v1/completions, /v1/chat/completions, /v1/models[/{model}], /tokenize, /detokenize, /health, /metrics,
+/version, /start_profile, /stop_profile. With an API key, every route but /health, /metrics and /version wants
 `Authorization: Bearer KEY` (as vLLM's: a Prometheus scraper needs no key).
 """
 
@@ -30,7 +30,16 @@ from atom_runtime.engine_args import create_engine_kwargs
 from atom_runtime.loading import create_engine
 from atom_runtime.server.errors import APIError, error_response, install_error_handlers
 from atom_runtime.server.profiler import EngineProfiler
-from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from atom_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from atom_runtime.server.serving import OpenAIServing
 
 M = TypeVar("M", bound=BaseModel)
@@ -112,6 +121,16 @@ def build_app(
         raw: Request, request: Annotated[ChatCompletionRequest, Depends(_body(ChatCompletionRequest))]
     ) -> Response:
         return await serving.chat(request, raw)
+
+    @router.post("/tokenize")
+    async def tokenize(request: Annotated[TokenizeRequest, Depends(_body(TokenizeRequest))]) -> TokenizeResponse:
+        return await serving.tokenize(request)
+
+    @router.post("/detokenize")
+    async def detokenize(
+        request: Annotated[DetokenizeRequest, Depends(_body(DetokenizeRequest))],
+    ) -> DetokenizeResponse:
+        return await serving.detokenize(request)
 
     card = ModelCard(id=served_model_name, root=model_path, max_model_len=engine.max_model_len)
 

@@ -189,6 +189,20 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True  # for a prompt (a chat template writes its own)
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ---------------------------------------------------------------------------
 
 
@@ -310,6 +324,16 @@ class ModelCard(BaseModel):
     owned_by: str = "atom"
     root: str | None = None  # where the model was loaded from; clients may load its tokenizer
     max_model_len: int | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

@@ -33,12 +33,17 @@ from atom_runtime.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DetokenizeRequest,
+    DetokenizeResponse,
     PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -166,7 +171,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             params = request.sampling_params()
-            prompt = await self._render_chat(request)
+            prompt = await self._render_chat(request.messages)
             outputs = self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = _CHAT_PARAMS.get(error.param, error.param)
@@ -229,14 +234,14 @@ class OpenAIServing:
         if request.include_usage:
             yield chunk(usage=_usage([final]))
 
-    async def _render_chat(self, request: ChatCompletionRequest) -> _Prompt:
+    async def _render_chat(self, messages: list[ChatMessage]) -> _Prompt:
         """The conversation through the model's chat template, ending where the assistant's turn begins."""
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
         try:
             text = tokenizer.apply_chat_template(
-                [m.template_input() for m in request.messages], add_generation_prompt=True, tokenize=False
+                [m.template_input() for m in messages], add_generation_prompt=True, tokenize=False
             )
         except jinja2.TemplateError as error:
             raise InvalidRequestError(f"the chat template rejected the messages: {error}", "messages") from error
@@ -253,6 +258,25 @@ class OpenAIServing:
             chosen = _top_logprob(entry[token_id])
             content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[_top_logprob(lp) for lp in top]))
         return ChatLogprobs(content=content)
+
+    # ---- /tokenize, /detokenize (vLLM's) ------------------------------------------------
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise InvalidRequestError("give a prompt or messages, not both or neither", "prompt")
+        if request.messages is not None:
+            tokens = (await self._render_chat(request.messages)).token_ids
+        else:
+            tokens = await self.engine.tokenize(request.prompt, add_special_tokens=request.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        vocab = len(self.engine.tokenizer)
+        if (bad := next((t for t in request.tokens if not 0 <= t < vocab), None)) is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", "tokens")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens))
 
     # ---- shared ------------------------------------------------------------------------
 
