@@ -44,20 +44,25 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
         raise FileNotFoundError(f"{path} has no config.json: not an HF model directory")
     try:
         return AutoConfig.from_pretrained(path)
-    except OSError as error:  # transformers' word for a config.json it cannot parse
-        raise ValueError(f"{path / 'config.json'} could not be read: {str(error).splitlines()[0]}") from None
+    except Exception as error:  # not JSON (transformers says OSError), a field of the wrong type, ...: the user's file
+        raise ValueError(f"{path / 'config.json'} could not be read: {str(error).partition(chr(10))[0]}") from None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """'auto' is the GPU where torch sees one; a device that is not there is the user's error, named."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = str(device)
     try:
         device = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"unknown device {str(device)!r}; choose auto, cpu or cuda") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; choose auto, cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"no {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

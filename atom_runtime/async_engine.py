@@ -238,6 +238,7 @@ class AsyncEngine:
             stream,
         )
         self._states[request_id] = state
+        left = False  # the caller stopped listening (a client that went away), as opposed to an error
         try:
             self._check_alive()  # again: the core may have died while the prompt was tokenized
             self._core.send(("add", request_id, state.prompt_token_ids, params))
@@ -250,10 +251,14 @@ class AsyncEngine:
                 yield output
                 if output.finished:
                     return
+        except (GeneratorExit, asyncio.CancelledError):
+            left = True
+            raise
         finally:
             if not state.finished:
                 self._core.send(("abort", request_id, None))
-                self._record_aborted(state)
+                if left:
+                    self._record_aborted(state)
             self._states.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=os.environ.get("ATOM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on the /v1 and profiler routes (default: $ATOM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on all routes but /health, /metrics, /version ($ATOM_API_KEY)",
     )
     serve.add_argument("--served-model-name", help="the model name clients use (default: the directory's name)")
     serve.add_argument(

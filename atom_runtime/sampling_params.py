@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class InvalidRequestError(ValueError):
@@ -77,6 +78,10 @@ class SamplingParams:
         )
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
-        check(self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0")
+        check(
+            0 < self.repetition_penalty < _FLOAT32_MAX,  # the sampler's float32: 1e39 would be inf, 0 * inf NaN
+            "repetition_penalty",
+            f"repetition_penalty must be positive and finite, got {self.repetition_penalty}",
+        )
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")

@@ -18,6 +18,7 @@ import torch
 from atom_runtime import LLM, EngineConfig, SamplingParams
 from atom_runtime.cli import build_parser, main
 from atom_runtime.engine_args import create_engine_kwargs
+from atom_runtime.server.api_server import check_listen_address
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -114,6 +115,19 @@ def test_serve_on_a_port_in_use_fails_before_loading(tiny_llama, capsys):
     assert info.value.code == 2 and time.monotonic() - started < 2  # the model never loaded
     expected = f"atom-run: error: cannot listen on 127.0.0.1:{port}: Address already in use"
     assert capsys.readouterr().err.strip() == expected
+
+
+def test_listen_address_check_binds_what_uvicorn_binds():
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host in ("", "0.0.0.0"):  # "": every address, as asyncio's create_server takes it
+            with pytest.raises(ValueError, match=f"cannot listen on {host}:{port}: Address already in use"):
+                check_listen_address(host, port)
+    check_listen_address("", port)  # free again
+    with pytest.raises(ValueError, match="cannot listen on no-such-host.invalid:"):
+        check_listen_address("no-such-host.invalid", port)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA device is there")

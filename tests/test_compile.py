@@ -268,12 +268,13 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
     for model_dir, flags, message in [
-        ("missing", [], "model directory"),
-        ("empty", [], "has no config.json"),
-        ("broken", [], "config.json could not be read"),
+        (tmp_path / "missing", [], "model directory"),
+        (tmp_path / "empty", [], "has no config.json"),
+        (tmp_path / "broken", [], "config.json could not be read"),
         (tiny_llama, ["--device", "tpu"], "unknown device 'tpu'"),
+        (tiny_llama, ["--device", "meta"], "unknown device 'meta'"),
     ]:
-        assert compile_cli(["export", str(tmp_path / model_dir), "-o", str(tmp_path / "b"), *flags]) == 2
+        assert compile_cli(["export", str(model_dir), "-o", str(tmp_path / "b"), *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("atom-compile: error: ") and message in err, err
     assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "b"), "--passes", "+nope"]) == 2

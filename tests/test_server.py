@@ -339,6 +339,21 @@ def test_tokenize_and_detokenize(http, engine):
     assert http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}).status_code == 404
 
 
+def test_chat_template_kwargs_reach_the_template(http, engine):
+    tokenizer = engine.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = "{% if shout %}LOUD {% endif %}" + template
+    try:
+        plain = http.post("/tokenize", json={"messages": OK_CHAT}).json()["tokens"]
+        loud = http.post("/tokenize", json={"messages": OK_CHAT, "chat_template_kwargs": {"shout": True}}).json()
+        assert loud["tokens"] == tokenizer("LOUD ", add_special_tokens=False)["input_ids"] + plain
+        body = {"messages": OK_CHAT, "max_tokens": 2, "chat_template_kwargs": {"shout": True}}
+        usage = http.post(CHAT, json=body).json()["usage"]
+        assert usage["prompt_tokens"] == loud["count"]
+    finally:
+        tokenizer.chat_template = template
+
+
 def test_echo(client):
     out = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True)
     assert out.choices[0].text.startswith("Echo me")
@@ -391,9 +406,12 @@ def aborted_requests(url: str) -> float:
     )
 
 
-def test_stream_disconnect_frees_blocks(server, engine):
+def test_stream_disconnect_frees_blocks(server, engine, http):
     wait_until_idle(engine)
     aborted = aborted_requests(server.url)
+    http.post(COMPLETIONS, json={"prompt": "to the end", "max_tokens": 3})
+    http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 5000})  # refused: beyond the context
+    assert aborted_requests(server.url) == aborted  # neither counts as aborted
     body = {"model": MODEL, "prompt": "Talk forever", "max_tokens": 900, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http,
@@ -477,6 +495,7 @@ BAD_REQUESTS = {
     ),
     "min_tokens > max_tokens": (COMPLETIONS, {"prompt": "hi", "min_tokens": 10, "max_tokens": 4}, 400, "min_tokens"),
     "repetition_penalty 0": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
+    "repetition_penalty 1e39": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1e39}, 400, "repetition_penalty"),
     # known features this server does not implement: refused by name, never silently ignored
     "tools": (CHAT, {"messages": OK_CHAT, "tools": [TOOL]}, 400, "tools"),
     "tools, auto": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "auto"}, 400, "tools"),
@@ -492,7 +511,18 @@ BAD_REQUESTS = {
         400,
         "tool_choice",
     ),
+    "tools, none": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "none"}, 400, "tools"),
     "legacy functions": (CHAT, {"messages": OK_CHAT, "functions": [TOOL["function"]]}, 400, "functions"),
+    "template kwargs that are arguments": (
+        CHAT,
+        {"messages": OK_CHAT, "chat_template_kwargs": {"tokenize": True}},
+        400,
+        "chat_template_kwargs",
+    ),
+    "no generation prompt": (CHAT, {"messages": OK_CHAT, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    "chat echo": (CHAT, {"messages": OK_CHAT, "echo": True}, 400, "echo"),
+    "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    "bad_words": (COMPLETIONS, {"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
     "json mode": (CHAT, {"messages": OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     "json schema": (
         COMPLETIONS,
@@ -529,13 +559,15 @@ def assert_still_serving(http: httpx.Client) -> None:
 
 
 NO_OP_FIELDS = {
-    "tools, none": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "none"}),
     "tool_choice auto, no tools": (CHAT, {"messages": OK_CHAT, "tool_choice": "auto", "tools": []}),
     "text response_format": (CHAT, {"messages": OK_CHAT, "response_format": {"type": "text"}}),
     "empty logit_bias": (COMPLETIONS, {"prompt": "hi", "logit_bias": {}}),
     "best_of n": (COMPLETIONS, {"prompt": "hi", "n": 2, "best_of": 2}),
     "empty suffix": (COMPLETIONS, {"prompt": "hi", "suffix": ""}),
-    "an unknown field": (COMPLETIONS, {"prompt": "hi", "user": "me", "no_such_field": 1}),
+    "repetition_penalty above 2 (vLLM's range)": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 2.5}),
+    "OpenAI's fields without effect here": (CHAT, {"messages": OK_CHAT, "user": "me", "store": False, "metadata": {}}),
+    "template kwargs": (CHAT, {"messages": OK_CHAT, "chat_template_kwargs": {"enable_thinking": False}}),
+    "an unknown field": (COMPLETIONS, {"prompt": "hi", "no_such_field": 1}),
 }
 
 
@@ -545,7 +577,7 @@ def test_unimplemented_fields_pass_where_they_change_nothing(http, case, caplog)
     with caplog.at_level(logging.WARNING, logger="atom_runtime.server.api_server"):
         response = http.post(path, json={**body, "max_tokens": 2})
     assert response.status_code == 200, response.text
-    logged = "ignored fields the server does not know: no_such_field, user" in caplog.text
+    logged = "ignored fields the server does not know: 'no_such_field'" in caplog.text
     assert logged == (case == "an unknown field")
 
 

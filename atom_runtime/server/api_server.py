@@ -58,7 +58,8 @@ def _body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
             raise APIError(HTTPStatus.BAD_REQUEST, f"the request body is not valid UTF-8: {error}") from error
         parsed = model.model_validate_json(text)
         if ignored := getattr(parsed, "ignored_fields", None):
-            logger.warning("%s: ignored fields the server does not know: %s", request.url.path, ", ".join(ignored))
+            names = ", ".join(repr(name[:64]) for name in ignored[:16])
+            logger.warning("%s: ignored fields the server does not know: %s", request.url.path, names)
         return parsed
 
     return parse
@@ -170,16 +171,24 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def check_listen_address(host: str, port: int) -> None:
     """Fails now, in one line, where uvicorn would fail only after the model has loaded: a port in use, a host
-    that is not this machine's."""
+    that is not this machine's. Binds what uvicorn's server binds (asyncio's `create_server`): every address the
+    host resolves to ("" is all of them), IPv6 ones IPv6-only, with SO_REUSEADDR."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    probes: list[socket.socket] = []
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            probes.append(probe := socket.socket(family, kind, proto))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(address)
-    except (OSError, OverflowError) as error:
+    except (OSError, OverflowError, UnicodeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise ValueError(f"cannot listen on {host}:{port}: {reason}") from None
+        raise ValueError(f"cannot listen on {shown}: {reason}") from None
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -10,7 +10,7 @@ that would change the output (tools, structured output, logit_bias, ...), is ref
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,7 +26,7 @@ class _Request(BaseModel):
 
 
 def _unset(value: Any) -> bool:
-    return value is None or value == {} or value == [] or value == ""
+    return value is None or value is False or value == {} or value == [] or value == ""
 
 
 def _refuse(field: str, what: str) -> None:
@@ -65,14 +65,39 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # add the prompt's and each choice's token ids to the response
-    # Known, not implemented: refused unless unset (`_refuse_unsupported`).
-    logit_bias: dict[str, Any] | None = None
+    # OpenAI's, with no effect on a self-hosted server's output: accepted as they are.
+    user: str | None = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    # Known, not implemented, and they would change the output: refused unless unset (UNSUPPORTED).
+    logit_bias: Any = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "logit_bias": "biasing token logits",
+        **dict.fromkeys(
+            ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"), "guided decoding"
+        ),
+        "allowed_token_ids": "restricting the vocabulary",
+        "bad_words": "banning words",
+        "use_beam_search": "beam search",
+        "prompt_logprobs": "prompt logprobs",
+        "truncate_prompt_tokens": "truncating the prompt",
+        "logits_processors": "logits processors",
+    }
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -80,13 +105,11 @@ class _SamplingFields(_Request):
         return sorted(self.model_extra or {})
 
     def _refuse_unsupported(self) -> None:
-        if not _unset(self.logit_bias):
-            _refuse("logit_bias", "biasing token logits")
+        for field, what in self.UNSUPPORTED.items():
+            if not _unset(getattr(self, field)):
+                _refuse(field, what)
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             _refuse("response_format", f"structured output ({self.response_format.get('type')!r})")
-        for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if not _unset(getattr(self, field)):
-                _refuse(field, "guided decoding")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._refuse_unsupported()
@@ -125,12 +148,12 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None  # refused unless empty
+    suffix: str | None = None
     best_of: int | None = None  # refused unless n
 
+    UNSUPPORTED: ClassVar[dict[str, str]] = {**_SamplingFields.UNSUPPORTED, "suffix": "a suffix (insertion)"}
+
     def sampling_params(self) -> SamplingParams:
-        if not _unset(self.suffix):
-            _refuse("suffix", "a suffix (insertion)")
         if self.best_of is not None and self.best_of != self.n:
             _refuse("best_of", f"best_of other than n ({self.best_of} against n={self.n})")
         if self.echo and self.logprobs is not None:
@@ -172,17 +195,35 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Function calling: refused unless no tool may be called.
+    # Passed to the chat template (Qwen3's enable_thinking, ...), as vLLM does.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Function calling: refused unless no tool is offered and none is asked for.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True  # refused unless true
+    continue_final_message: bool = False
+    echo: bool = False
+    reasoning_effort: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **_SamplingFields.UNSUPPORTED,
+        "tools": "function calling",
+        "functions": "function calling",
+        "chat_template": "a request's own chat template",
+        "continue_final_message": "continuing the final message",
+        "echo": "echo in chat",
+        "reasoning_effort": "reasoning effort",
+    }
 
     def sampling_params(self) -> SamplingParams:
-        for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
-            offered, chosen = getattr(self, tools), getattr(self, choice)
-            if chosen not in (None, "none", "auto") or (not _unset(offered) and chosen != "none"):
-                _refuse(tools if chosen in (None, "auto") else choice, "function calling")
+        for choice in ("tool_choice", "function_call"):
+            if getattr(self, choice) not in (None, "none", "auto"):
+                _refuse(choice, "function calling")
+        if not self.add_generation_prompt:
+            _refuse("add_generation_prompt", "a chat prompt without the assistant's turn")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -195,6 +236,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True  # for a prompt (a chat template writes its own)
 
 

@@ -55,6 +55,12 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 # Status for a request whose client left before the answer (nginx's "client closed request").
 _CLIENT_CLOSED = 499
+# apply_chat_template's own arguments, which a request's chat_template_kwargs may not set.
+_RENDER_ARGUMENTS = frozenset(
+    ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message")
+    + ("tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict")
+    + ("return_assistant_tokens_mask", "tokenizer_kwargs")
+)
 # Engine parameter names as chat requests call them.
 _CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 
@@ -171,7 +177,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             params = request.sampling_params()
-            prompt = await self._render_chat(request.messages)
+            prompt = await self._render_chat(request.messages, request.chat_template_kwargs)
             outputs = self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = _CHAT_PARAMS.get(error.param, error.param)
@@ -234,14 +240,20 @@ class OpenAIServing:
         if request.include_usage:
             yield chunk(usage=_usage([final]))
 
-    async def _render_chat(self, messages: list[ChatMessage]) -> _Prompt:
-        """The conversation through the model's chat template, ending where the assistant's turn begins."""
+    async def _render_chat(self, messages: list[ChatMessage], template_kwargs: dict | None) -> _Prompt:
+        """The conversation through the model's chat template, ending where the assistant's turn begins;
+        `template_kwargs` are the template's own variables (Qwen3's enable_thinking, ...)."""
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+        if reserved := sorted(set(template_kwargs or {}) & _RENDER_ARGUMENTS):
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
         try:
             text = tokenizer.apply_chat_template(
-                [m.template_input() for m in messages], add_generation_prompt=True, tokenize=False
+                [m.template_input() for m in messages],
+                add_generation_prompt=True,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
         except jinja2.TemplateError as error:
             raise InvalidRequestError(f"the chat template rejected the messages: {error}", "messages") from error
@@ -266,7 +278,7 @@ class OpenAIServing:
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give a prompt or messages, not both or neither", "prompt")
         if request.messages is not None:
-            tokens = (await self._render_chat(request.messages)).token_ids
+            tokens = (await self._render_chat(request.messages, request.chat_template_kwargs)).token_ids
         else:
             tokens = await self.engine.tokenize(request.prompt, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)
