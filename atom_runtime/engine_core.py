@@ -63,16 +63,18 @@ class EngineLimits:
     max_num_seqs: int
     max_logprobs: int
 
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Refuse ids outside the model's vocabulary, naming the request's field `param`."""
+        # min/max in C: the core checks every request again, between its steps.
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})", param)
+
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse what can never run: an empty prompt, unknown tokens, too long for the context or the whole cache."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        # min/max in C: the core checks every request again, between its steps.
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            bad = next(t for t in prompt_token_ids if not 0 <= t < self.vocab_size)
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})", "prompt"
-            )
+        self.check_token_ids(prompt_token_ids, "prompt")
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens >= self.max_model_len:
             raise InvalidRequestError(

@@ -57,9 +57,22 @@ _MIN_LOGPROB = -9999.0
 _CLIENT_CLOSED = 499
 # apply_chat_template's own arguments, which a request's chat_template_kwargs may not set.
 _RENDER_ARGUMENTS = frozenset(
-    ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message")
-    + ("tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict")
-    + ("return_assistant_tokens_mask", "tokenizer_kwargs")
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
 )
 # Engine parameter names as chat requests call them.
 _CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
@@ -285,9 +298,7 @@ class OpenAIServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
-        vocab = len(self.engine.tokenizer)
-        if (bad := next((t for t in request.tokens if not 0 <= t < vocab), None)) is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", "tokens")
+        self.engine.limits.check_token_ids(request.tokens, "tokens")
         return DetokenizeResponse(prompt=self.engine.tokenizer.decode(request.tokens))
 
     # ---- shared ------------------------------------------------------------------------
