@@ -199,6 +199,7 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
         split_keys = config.decode_block_n if lone else config.split_keys
         constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "DECODE_SPLIT_KEYS": split_keys}
         constexprs |= {"KV_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline, "DECODE_ONLY": decode_only}
+        constexprs |= {"LONE": lone}
         warps = config.decode_warps if decode_only else config.num_warps
         stages = config.lone_decode_stages if lone else config.num_stages
         constexprs |= {"DECODE_VALUES_WITH_KEYS": stages == 1}
