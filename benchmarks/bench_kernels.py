@@ -349,7 +349,8 @@ def main() -> None:
         steps["decode"].append(partial(bench_decode_kv, mixed, f"b{batch} ctx1024-2048", [base], sdpa=False))
     for batch, ctx in ((8, 4096), (32, 2048)):  # between batch 1 and the batch >= 64 target
         steps["decode"].append(partial(bench_decode_kv, [ctx] * batch, f"b{batch} ctx{ctx}", decode_configs, sdpa=True))
-    steps["decode"].append(partial(bench_decode_kv, [4096], "b1 ctx4096", decode_configs, sdpa=True))
+    for ctx in (4096, 2048, 1024):  # a lone sequence: its splits are its only parallelism
+        steps["decode"].append(partial(bench_decode_kv, [ctx], f"b1 ctx{ctx}", decode_configs, sdpa=True))
     # bench_decode.py's batch 1
     steps["decode"].append(partial(bench_decode_kv, [432], "b1 ctx432", decode_configs, sdpa=True))
     for step in steps[args.only] if args.only else [s for group in steps.values() for s in group]:
