@@ -17,6 +17,7 @@ piece serves every layer that has its structure.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -133,9 +134,11 @@ def compile_piece(piece: GraphModule, path: Path, device: torch.device) -> str:
     with torch.no_grad():
         if fmt == "aoti":
             args, dynamic = example_inputs(piece, device)
-            exported = torch.export.export(piece, tuple(args), dynamic_shapes=tuple(dynamic))
-            exported = exported.run_decompositions(cpu_decompositions())
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+            with warnings.catch_warnings():  # torch's own copies of its LeafSpecs warn (torch 2.13), twice a piece
+                warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+                exported = torch.export.export(piece, tuple(args), dynamic_shapes=tuple(dynamic))
+                exported = exported.run_decompositions(cpu_decompositions())
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
         else:
             fakes = [n.meta["val"] for n in piece.graph.nodes if n.op == "placeholder"]
             compiled = torch._inductor.standalone_compile(piece, fakes, dynamic_shapes="from_graph")
