@@ -20,12 +20,11 @@ from pathlib import Path
 
 import uvloop
 
-from atom_runtime.default_model import DEMO_NAME, default_artifact
 from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
-from atom_runtime.loading import create_engine
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.server.api_server import check_listen_address, run_server
-from atom_runtime.server.profiler import EngineProfiler
+
+# The engine, the server and the demo model's export import torch (~3 s): `main` imports them after the flags parse,
+# so --help and bad flags answer at once.
 
 USAGE_ERROR = 2
 
@@ -104,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.model is not None and not args.model.exists():
         parser.error(f"model directory {str(args.model)!r} does not exist")
+    from atom_runtime.default_model import DEMO_NAME, default_artifact
+    from atom_runtime.server.api_server import check_listen_address, run_server
+
     try:
         if args.command == "serve":  # before the model loads (or the demo model exports)
             check_listen_address(args.host, args.port)
@@ -123,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def _generate(args: argparse.Namespace) -> None:
+    from atom_runtime.loading import create_engine
+    from atom_runtime.server.profiler import EngineProfiler
+
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )

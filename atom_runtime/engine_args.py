@@ -11,8 +11,10 @@ import argparse
 import dataclasses
 from typing import Any
 
-from atom_models.loader import DTYPES
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
+
+# `atom_models.loader.DTYPES`' names (a test keeps them equal), spelled out so that parsing flags imports no torch.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 _DEFAULTS = EngineConfig()
 
@@ -31,7 +33,10 @@ def capture_sizes(text: str) -> list[int]:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--dtype", default="auto", choices=["auto", *DTYPES], help="weights' and activations' dtype (auto: the model's)"
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPE_NAMES],
+        help="weights' and activations' dtype (auto: the model's)",
     )
     group.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,9 +16,10 @@ import httpx
 import pytest
 import torch
 
+from atom_models.loader import DTYPES
 from atom_runtime import LLM, EngineConfig, SamplingParams
 from atom_runtime.cli import build_parser, main
-from atom_runtime.engine_args import create_engine_kwargs
+from atom_runtime.engine_args import DTYPE_NAMES, create_engine_kwargs
 from atom_runtime.server.api_server import check_listen_address
 
 
@@ -143,6 +145,19 @@ def test_bad_input_from_the_console_script(tiny_llama):
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == "atom-run: error: max_tokens must be at least 1, got -3"
     assert "Traceback" not in run.stderr
+
+
+def test_flags_parse_without_torch():
+    """--help and bad flags answer before torch imports (it takes seconds), with the loader's dtype names."""
+    code = (
+        "import sys\n"
+        "from atom_runtime.cli import build_parser\n"
+        "build_parser().parse_args(['serve', '--dtype', 'bfloat16', '--port', '8001'])\n"
+        "assert 'torch' not in sys.modules, 'parsing imported torch'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert set(DTYPE_NAMES) == set(DTYPES)
 
 
 def test_engine_flags_cover_engine_config(tiny_llama):
