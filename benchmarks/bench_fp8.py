@@ -9,9 +9,9 @@ gemm: for each Llama-3-8B projection (N x K) and M rows, the median time of bf16
 cuBLASLt via torch._scaled_mm (row-wise and tensor-wise scales), our Triton tile GEMM and the
 skinny decode GEMM (each with 128x128 block scales and per-channel scales; the skinny one for
 M <= gemm.SKINNY_MAX_M, where the dispatch picks it; at M = 1 also the fp8_linear ops' weight-only
-GEMV of a bf16 x), against the roofline: bytes the GEMM must read and write (FP8 weight, its
-scales, x and out) over the copy bandwidth measured in the same
-run. `--timer graph` (the default) times CUDA-graph replays that call the GEMM once on each of
+GEMV of a bf16 x, bare and behind its RMSNorm prologue with and without the residual add), against the
+roofline: bytes the GEMM must read and write (FP8 weight, its scales, x and out) over the copy bandwidth
+measured in the same run. `--timer graph` (the default) times CUDA-graph replays that call the GEMM once on each of
 several weight copies, bench_gemm.MIN_REPLAY_BYTES in all, so the weight streams from HBM with no launch
 overhead between calls, as in a decode step; `--timer do_bench` times single calls (L2 flushed).
 `--sweep` adds the best tile-kernel config and, for the skinny kernel at `--sweep-ms`, every
@@ -107,9 +107,18 @@ def time_shape(name: str, n: int, k: int, m: int, args: argparse.Namespace, band
         ),
     }
     if m == 1:  # the fp8_linear ops' one-token GEMV: x unquantized, per-channel weight scales (weight-only)
-        row["weight_only_us"] = timed(
-            timer, w_channel, lambda w_: gemm.run_skinny_mm(x, None, w_, s_channel, None, out, (1, k))
-        )
+        norm_weight, residual = torch.rand(k, device="cuda", dtype=x.dtype) + 0.5, torch.randn_like(x)
+        prologues = {  # bare (o_proj, down); RMSNorm (a layer's first); residual add + RMSNorm (qkv, gate_up)
+            "weight_only_us": None,
+            "weight_only_norm_us": gemm.RMSNormPrologue(norm_weight, 1e-5),
+            "weight_only_add_norm_us": gemm.RMSNormPrologue(norm_weight, 1e-5, residual, torch.empty_like(x)),
+        }
+        for key, prologue in prologues.items():
+            row[key] = timed(
+                timer,
+                w_channel,
+                lambda w_, p=prologue: gemm.run_skinny_mm(x, None, w_, s_channel, None, out, (1, k), prologue=p),
+            )
     for layout, (weight, scale, scale_block, group) in layouts.items():
         row[f"triton_{layout}_us"] = timed(
             timer, weight, partial(tile, scale=scale, scale_block=scale_block, group=group)
@@ -196,6 +205,8 @@ def main() -> None:
             ("skinny_block_us", "skinny block us", ".1f"),
             ("skinny_channel_us", "skinny chan us", ".1f"),
             ("weight_only_us", "weight-only us", ".1f"),
+            ("weight_only_norm_us", "+norm us", ".1f"),
+            ("weight_only_add_norm_us", "+add+norm us", ".1f"),
             ("block_of_roofline", "block/roofline", ".2f"),
             ("channel_of_roofline", "chan/roofline", ".2f"),
         ]
