@@ -17,11 +17,34 @@ Python API for compiler experiments::
     print(ac.compare("ARTIFACT"))                     # against the eager reference model
 """
 
-from atom_compile.export import ExportOptions, export_model
-from atom_compile.load import CompiledModel, is_artifact, load_artifact
-from atom_compile.passes import list_passes, register_pass, resolve_pipeline, run_passes, unregister_pass
-from atom_compile.reference import compare
-from atom_compile.trace import TracedModel
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from atom_compile.options import ExportOptions
+
+if TYPE_CHECKING:
+    from atom_compile.export import export_model
+    from atom_compile.load import CompiledModel, is_artifact, load_artifact
+    from atom_compile.passes import list_passes, register_pass, resolve_pipeline, run_passes, unregister_pass
+    from atom_compile.reference import compare
+    from atom_compile.trace import TracedModel
+
+# The rest load on first use (PEP 562): `atom-compile --help` and bad flags answer before torch imports.
+_MODULE_OF = {
+    "CompiledModel": "atom_compile.load",
+    "TracedModel": "atom_compile.trace",
+    "compare": "atom_compile.reference",
+    "export_model": "atom_compile.export",
+    "is_artifact": "atom_compile.load",
+    "list_passes": "atom_compile.passes",
+    "load_artifact": "atom_compile.load",
+    "register_pass": "atom_compile.passes",
+    "resolve_pipeline": "atom_compile.passes",
+    "run_passes": "atom_compile.passes",
+    "unregister_pass": "atom_compile.passes",
+}
 
 __all__ = [
     "CompiledModel",
@@ -41,6 +64,12 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'atom_compile' has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)
+
+
 def trace(model_dir, *, device: str = "cpu", dtype: str = "auto", quantization: str | None = None) -> TracedModel:
     """The model in `model_dir` traced to one FX graph (no passes applied)."""
     from atom_compile.export import trace_model_dir
@@ -50,4 +79,6 @@ def trace(model_dir, *, device: str = "cpu", dtype: str = "auto", quantization: 
 
 def export(model_dir, output, **options) -> dict:
     """`atom-compile export` from Python; keyword arguments are `ExportOptions` fields."""
+    from atom_compile.export import export_model
+
     return export_model(model_dir, output, ExportOptions(**options))

@@ -9,13 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from atom_compile.artifact import ArtifactError, read_manifest
-from atom_compile.export import LEVELS, WEIGHT_MODES, ExportOptions, export_model
-from atom_compile.passes import list_passes
-from atom_models import UnsupportedModelError, WeightLoadError
-from atom_models.loader import DTYPES
-
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, ArtifactError, WeightLoadError, UnsupportedModelError)
+from atom_compile.options import DTYPE_NAMES, LEVELS, WEIGHT_MODES, ExportOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("model_dir", type=Path, help="HF model directory (config.json, *.safetensors, tokenizer)")
     export.add_argument("-o", "--output", type=Path, required=True, help="artifact directory to write")
     export.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    export.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    export.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES])
     export.add_argument(
         "--passes", default=None, help="pass names, or +name,-name edits of the default list (write --passes=-name)"
     )
@@ -54,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # after parsing: these import torch (~3 s)
+    from atom_compile.artifact import ArtifactError
+    from atom_compile.export import export_model
+    from atom_compile.passes import list_passes
+    from atom_models import UnsupportedModelError, WeightLoadError
+
+    user_errors = (ValueError, KeyError, FileNotFoundError, ArtifactError, WeightLoadError, UnsupportedModelError)
     try:
         if args.command == "export":
             options = ExportOptions(
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{p.name:<22} v{p.version}  {p.description}")
         else:
             show(args.artifact, args.piece, args.svg)
-    except USER_ERRORS as error:
+    except user_errors as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"atom-compile: error: {message}", file=sys.stderr)
         return 2
@@ -86,6 +87,8 @@ def op_counts(source: str) -> Counter:
 
 
 def show(path: Path, piece: str | None, svg: Path | None) -> None:
+    from atom_compile.artifact import read_manifest
+
     manifest = read_manifest(path)
     entries = manifest["pieces"]
     if piece is not None and piece not in entries:

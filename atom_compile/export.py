@@ -7,7 +7,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from atom_compile.graphs.compile import FORMATS, SUFFIXES, compile_piece
 from atom_compile.graphs.split import Piece, propagate_fake_values, split_at_attention
 from atom_compile.graphs.warmup import TRITON_CACHE, warm_kernels
 from atom_compile.load import load_pieces, load_top_graph
+from atom_compile.options import ExportOptions
 from atom_compile.passes import resolve_pipeline, run_passes
 from atom_compile.trace import TracedModel, trace_model
 from atom_models import load_config, resolve_device, resolve_dtype
@@ -28,35 +29,6 @@ from atom_models.loader import build_model, checkpoint_files, fill_dummy_weights
 from atom_models.ops import available_backends, default_backend, use_backend
 
 logger = logging.getLogger(__name__)
-
-LEVELS = (0, 3)  # 0: pieces run as eager FX code; 3: pieces compiled by Inductor (ATOM's levels)
-WEIGHT_MODES = ("reference", "copy", "dummy")
-
-
-@dataclass
-class ExportOptions:
-    device: str = "auto"
-    dtype: str = "auto"
-    passes: str | list[str] | None = None  # names, or "+name,-name" edits of the default pipeline
-    level: int = 3
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    quantization: str | None = None
-    # "reference": the checkpoint, verified by fingerprint; "copy": the (packed, possibly quantized) weights
-    # written into the artifact; "dummy": random weights at load (benchmarks without a checkpoint)
-    weights: str = "reference"
-    load_dummy: bool = False
-    backend: str | None = None  # ops backend; default: the best one for the device
-
-    def validate(self) -> None:
-        if self.level not in LEVELS:
-            raise ValueError(f"level must be one of {LEVELS}, got {self.level}")
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
-        if self.load_dummy and self.weights == "reference":
-            self.weights = "dummy"
-        if self.weights == "dummy":
-            self.load_dummy = True
 
 
 def _say(message: str) -> None:

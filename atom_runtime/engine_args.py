@@ -11,10 +11,8 @@ import argparse
 import dataclasses
 from typing import Any
 
+from atom_compile.options import DTYPE_NAMES
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
-
-# `atom_models.loader.DTYPES`' names (a test keeps them equal), spelled out so that parsing flags imports no torch.
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 _DEFAULTS = EngineConfig()
 

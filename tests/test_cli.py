@@ -16,10 +16,11 @@ import httpx
 import pytest
 import torch
 
+from atom_compile.options import DTYPE_NAMES
 from atom_models.loader import DTYPES
 from atom_runtime import LLM, EngineConfig, SamplingParams
 from atom_runtime.cli import build_parser, main
-from atom_runtime.engine_args import DTYPE_NAMES, create_engine_kwargs
+from atom_runtime.engine_args import create_engine_kwargs
 from atom_runtime.server.api_server import check_listen_address
 
 
@@ -148,11 +149,14 @@ def test_bad_input_from_the_console_script(tiny_llama):
 
 
 def test_flags_parse_without_torch():
-    """--help and bad flags answer before torch imports (it takes seconds), with the loader's dtype names."""
+    """--help and bad flags of both CLIs answer before torch imports (it takes seconds), with the loader's dtype
+    names."""
     code = (
         "import sys\n"
-        "from atom_runtime.cli import build_parser\n"
-        "build_parser().parse_args(['serve', '--dtype', 'bfloat16', '--port', '8001'])\n"
+        "from atom_compile import cli as compile_cli\n"
+        "from atom_runtime import cli as run_cli\n"
+        "run_cli.build_parser().parse_args(['serve', '--dtype', 'bfloat16', '--port', '8001'])\n"
+        "compile_cli.build_parser().parse_args(['export', 'm', '-o', 'a', '--dtype', 'float16', '--level', '0'])\n"
         "assert 'torch' not in sys.modules, 'parsing imported torch'\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

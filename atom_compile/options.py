@@ -1,0 +1,37 @@
+"""`atom-compile export`'s settings, without torch: both CLIs build their flags from these before anything heavy
+imports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# `atom_models.loader.DTYPES`' names (a test keeps them equal), for the CLIs' --dtype.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+LEVELS = (0, 3)  # 0: pieces run as eager FX code; 3: pieces compiled by Inductor (ATOM's levels)
+WEIGHT_MODES = ("reference", "copy", "dummy")
+
+
+@dataclass
+class ExportOptions:
+    device: str = "auto"
+    dtype: str = "auto"
+    passes: str | list[str] | None = None  # names, or "+name,-name" edits of the default pipeline
+    level: int = 3
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    quantization: str | None = None
+    # "reference": the checkpoint, verified by fingerprint; "copy": the (packed, possibly quantized) weights
+    # written into the artifact; "dummy": random weights at load (benchmarks without a checkpoint)
+    weights: str = "reference"
+    load_dummy: bool = False
+    backend: str | None = None  # ops backend; default: the best one for the device
+
+    def validate(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {self.level}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.load_dummy and self.weights == "reference":
+            self.weights = "dummy"
+        if self.weights == "dummy":
+            self.load_dummy = True
