@@ -20,6 +20,8 @@ Python API for compiler experiments::
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from atom_compile.options import ExportOptions
@@ -68,6 +70,23 @@ def __getattr__(name: str) -> Any:
     if name not in _MODULE_OF:
         raise AttributeError(f"module 'atom_compile' has no attribute {name!r}")
     return getattr(importlib.import_module(_MODULE_OF[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps `export` and `trace` the functions below: importing a submodule binds it on its package, and the
+    submodules `atom_compile.export` / `atom_compile.trace` now load after them (lazily), not before."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("export", "trace") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def trace(model_dir, *, device: str = "cpu", dtype: str = "auto", quantization: str | None = None) -> TracedModel:

@@ -279,3 +279,17 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("atom-compile: error: ") and message in err, err
     assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "b"), "--passes", "+nope"]) == 2
     assert "unknown pass 'nope'" in capsys.readouterr().err
+
+
+def test_export_and_trace_stay_functions_after_their_submodules_load():
+    """atom_compile loads its submodules lazily; importing `atom_compile.export` / `.trace` later must not replace the
+    package's `export()` / `trace()` functions with those modules."""
+    code = (
+        "import inspect\n"
+        "import atom_compile as ac\n"
+        "import atom_compile.export, atom_compile.load, atom_compile.trace\n"
+        "assert inspect.isfunction(ac.export) and inspect.isfunction(ac.trace), (ac.export, ac.trace)\n"
+        "assert {'load_artifact', 'export', 'trace'} <= set(dir(ac))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
