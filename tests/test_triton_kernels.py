@@ -725,6 +725,18 @@ def test_paged_attention_merges_many_splits():
         check_attention(4, 2, 16, 16, [(1, 530)], padding=0, config=config)
 
 
+def test_paged_attention_lone_odd_splits():
+    """A lone sequence's splits come alternately from the grid's two halves (`LONE`): odd split counts (on the
+    interpreter's 4 "multiprocessors"), with every split holding keys, and with the last ones empty (chunks rounded
+    to whole tiles: 100 keys over 5 splits take chunks of 32)."""
+    for waves in (5, 7):
+        config = dataclasses.replace(attention.default_config(16), decode_block_n=16, lone_decode_waves=waves)
+        if not CUDA:
+            assert attention.decode_splits(1, 4, config, DEVICE) == waves
+        for seq_len in (200, 100, 37):
+            check_attention(8, 4, 16, 16, [(1, seq_len)], padding=0, config=config)
+
+
 def test_paged_attention_split_keys():
     """In a batch, a split for every 48 keys of 16-key tiles (the case: 100 keys take 3 splits, the last partial; 30
     take 1), in decode-only and mixed launches with padding; a lone sequence splits by the tile (100 keys: 7)."""
