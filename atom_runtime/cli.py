@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -49,6 +50,28 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
     return port
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Fails now, in one line, where uvicorn would fail only after the model has loaded: a port in use, a host
+    that is not this machine's. Binds what uvicorn's server binds (asyncio's `create_server`): every address the
+    host resolves to ("" is all of them), IPv6 ones IPv6-only, with SO_REUSEADDR."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    probes: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            probes.append(probe := socket.socket(family, kind, proto))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(address)
+    except (OSError, OverflowError, UnicodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise ValueError(f"cannot listen on {shown}: {reason}") from None
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,12 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.model is not None and not args.model.exists():
         parser.error(f"model directory {str(args.model)!r} does not exist")
-    from atom_runtime.default_model import DEMO_NAME, default_artifact
-    from atom_runtime.server.api_server import check_listen_address, run_server
-
     try:
-        if args.command == "serve":  # before the model loads (or the demo model exports)
+        if args.command == "serve":  # before the model loads (or the demo model exports), and before torch imports
             check_listen_address(args.host, args.port)
+        from atom_runtime.default_model import DEMO_NAME, default_artifact
+        from atom_runtime.server.api_server import run_server
+
         if args.model is None:
             args.model = default_artifact(args.device, args.dtype, args.quantization)
             args.device, args.dtype, args.quantization = "auto", "auto", None  # fixed by that export

@@ -19,9 +19,8 @@ import torch
 from atom_compile.options import DTYPE_NAMES
 from atom_models.loader import DTYPES
 from atom_runtime import LLM, EngineConfig, SamplingParams
-from atom_runtime.cli import build_parser, main
+from atom_runtime.cli import build_parser, check_listen_address, main
 from atom_runtime.engine_args import create_engine_kwargs
-from atom_runtime.server.api_server import check_listen_address
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

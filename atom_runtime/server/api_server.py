@@ -11,7 +11,6 @@ import argparse
 import logging
 import secrets
 import signal
-import socket
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -167,28 +166,6 @@ def build_app(
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def check_listen_address(host: str, port: int) -> None:
-    """Fails now, in one line, where uvicorn would fail only after the model has loaded: a port in use, a host
-    that is not this machine's. Binds what uvicorn's server binds (asyncio's `create_server`): every address the
-    host resolves to ("" is all of them), IPv6 ones IPv6-only, with SO_REUSEADDR."""
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    probes: list[socket.socket] = []
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            probes.append(probe := socket.socket(family, kind, proto))
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            probe.bind(address)
-    except (OSError, OverflowError, UnicodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise ValueError(f"cannot listen on {shown}: {reason}") from None
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 def run_server(args: argparse.Namespace) -> None:
