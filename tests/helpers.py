@@ -1,6 +1,10 @@
-"""Run an atom model on one prompt outside the engine, for numerical comparisons."""
+"""Shared by several test files: an atom model on one prompt outside the engine (numerical comparisons), and Python
+snippets in a fresh interpreter (import-order checks)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import torch
 
@@ -27,3 +31,9 @@ def prefill_logits(model, input_ids: torch.Tensor, block_size: int = 4) -> torch
     )
     with torch.inference_mode():
         return model(input_ids, positions, caches, meta, positions)
+
+
+def run_fresh_python(code: str) -> None:
+    """Runs `code` in a new interpreter (nothing imported yet) and fails the test with its stderr if it fails."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

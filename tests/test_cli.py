@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from atom_models.loader import DTYPES
 from atom_runtime import LLM, EngineConfig, SamplingParams
 from atom_runtime.cli import build_parser, check_listen_address, main
 from atom_runtime.engine_args import create_engine_kwargs
+from tests.helpers import run_fresh_python
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -158,8 +158,7 @@ def test_flags_parse_without_torch():
         "compile_cli.build_parser().parse_args(['export', 'm', '-o', 'a', '--dtype', 'float16', '--level', '0'])\n"
         "assert 'torch' not in sys.modules, 'parsing imported torch'\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
+    run_fresh_python(code)
     assert set(DTYPE_NAMES) == set(DTYPES)
 
 

@@ -19,6 +19,7 @@ import atom_compile as ac
 from atom_compile.artifact import ArtifactError
 from atom_compile.cli import main as compile_cli
 from atom_runtime import LLM, SamplingParams
+from tests.helpers import run_fresh_python
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["Hello there", "The quick brown fox", "x"]
@@ -291,5 +292,4 @@ def test_export_and_trace_stay_functions_after_their_submodules_load():
         "assert inspect.isfunction(ac.export) and inspect.isfunction(ac.trace), (ac.export, ac.trace)\n"
         "assert {'load_artifact', 'export', 'trace'} <= set(dir(ac))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    run_fresh_python(code)
