@@ -217,8 +217,7 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     # launches that split no context: their own decode tiles, a merge of one
     for decode_only in (False, True):
         unsplit = constexprs | {"DECODE_BLOCK_N": config.unsplit_block_n, "SPLITS": 1, "DECODE_ONLY": decode_only}
-        unsplit |= {"LONE": False}
-        unsplit |= {"DECODE_VALUES_WITH_KEYS": False}
+        unsplit |= {"LONE": False, "DECODE_VALUES_WITH_KEYS": False}
         warps = config.decode_warps if decode_only else config.num_warps
         build(attention._attention_kernel, pointers, unsplit, num_warps=warps, num_stages=config.num_stages)
 print("all kernels lowered for sm_90")
