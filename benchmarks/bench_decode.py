@@ -463,7 +463,8 @@ def main() -> None:
     write_json(
         args.out,
         {
-            "preset": args.preset,
+            "preset": None if args.artifact else args.preset,  # the preset is exported only without --artifact
+            "artifact": str(args.artifact) if args.artifact else None,
             "context": args.context,
             "temperature": args.temperature,
             "copy_bandwidth": bandwidth,

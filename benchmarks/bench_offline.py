@@ -89,7 +89,11 @@ def main() -> None:
     )
     write_json(
         args.out,
-        {"preset": args.preset, "args": vars(args) | {"out": str(args.out), "artifact": str(args.artifact)}, **row},
+        {
+            "preset": None if args.artifact else args.preset,  # the preset is exported only without --artifact
+            "args": vars(args) | {"out": str(args.out), "artifact": str(args.artifact)},
+            **row,
+        },
     )
 
 
