@@ -203,18 +203,16 @@ def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Ite
     core = llm.engine.core
     runner, blocks = core.runner, core.block_manager
     seqs = [Sequence(f"graph-{i}", 0, [0] * (context + REPLAY_ROOM), SamplingParams()) for i in range(batch)]
-    chunks = [ScheduledChunk(s, context - 1, 1) for s in seqs]
-    key = runner.graphs.key_for(chunks) if runner.graphs is not None else None
-    if key is None or key.size != batch:
-        yield None
-        return
     try:
         for seq in seqs:
             if not blocks.allocate(seq, context + REPLAY_ROOM):
                 raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
             del seq.token_ids[context:]  # the room stays allocated
-        runner.inputs.load(chunks, pad_seqs_to=batch)
-        yield key
+        chunks = [ScheduledChunk(s, context - 1, 1) for s in seqs]  # each samples its last token, as decodes do
+        key = runner.graphs.key_for(chunks) if runner.graphs is not None else None
+        if key is not None and key.size == batch:
+            runner.inputs.load(chunks, pad_seqs_to=batch)
+        yield key if key is not None and key.size == batch else None
     finally:
         for seq in seqs:
             blocks.free(seq)
