@@ -9,6 +9,9 @@ argmax, or a draw by the row's temperature, seed and position, also step inputs)
 row's penalties or filters change the logits (no launch of its own around the graph). They are drawn into the
 graph's input ids, where the next decode step of the batch reads them, and the draw moves the graph's positions,
 slots and lengths one token on, so that step usually copies nothing (see `atom_runtime.step_inputs`).
+A lone sequence of at most SHORT_CONTEXT tokens replays a second graph of size 1, captured over its block table's
+first columns only: the attention launch takes its grid from the table (`attention.decode_splits`), so a short
+context's splits get one program a multiprocessor instead of the full table's two.
 Prefill and mixed batches run outside the graphs, or through the PIECEWISE graphs below. All graphs are
 captured into one memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL
 and piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
@@ -20,7 +23,7 @@ import bisect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,27 +37,50 @@ if TYPE_CHECKING:
     from atom_runtime.model_runner import ModelRunner
 
 
+# Tokens a lone sequence may hold to replay the short batch-1 graph (see the module's docstring).
+SHORT_CONTEXT = 2048
+
+
+class GraphKey(NamedTuple):
+    """A captured decode graph: its batch size, and the block-table columns it reads (None: all of them)."""
+
+    size: int
+    table_blocks: int | None = None
+
+
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, sizes: list[int], pool):
         self.runner = runner
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[Tensor, Tensor]] = {}  # (logits, each row's drawn token)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, tuple[Tensor, Tensor]] = {}  # (logits, each row's drawn token)
         self.pool = pool
+        inputs = runner.inputs
+        short = -(-SHORT_CONTEXT // inputs.block_size)
+        self.short_blocks = short if 1 in self.sizes and short < inputs.block_tables.shape[1] else None
 
-    def size_for(self, chunks: list[ScheduledChunk]) -> int | None:
-        """The captured size that runs this step, or None if it must run outside the graphs."""
+    def keys(self) -> list[GraphKey]:
+        """Every graph to capture, largest first."""
+        short = [GraphKey(1, self.short_blocks)] if self.short_blocks else []
+        return [GraphKey(size) for size in reversed(self.sizes)] + short
+
+    def key_for(self, chunks: list[ScheduledChunk]) -> GraphKey | None:
+        """The captured graph that runs this step, or None if it must run outside the graphs."""
         if not all(c.num_tokens == 1 and c.samples for c in chunks):
             return None
+        if self.short_blocks and len(chunks) == 1 and chunks[0].start < SHORT_CONTEXT:  # its keys: start + 1
+            return GraphKey(1, self.short_blocks)
         at = bisect.bisect_left(self.sizes, len(chunks))
-        return self.sizes[at] if at < len(self.sizes) else None
+        return GraphKey(self.sizes[at]) if at < len(self.sizes) else None
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int] | None = None, progress: bool = True) -> None:
-        sizes = sorted(sizes or self.sizes, reverse=True)
+    def capture(self, keys: list[GraphKey] | None = None, progress: bool = True) -> None:
         inputs = self.runner.inputs
-        for size in tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress, file=sys.stderr):
-            args = self.runner._step_args(*inputs.load([], pad_seqs_to=size))
+        for key in tqdm(
+            keys or self.keys(), desc="Capturing CUDA graphs", unit="graph", disable=not progress, file=sys.stderr
+        ):
+            size = key.size
+            args = self.runner._step_args(*inputs.load([], pad_seqs_to=size), table_blocks=key.table_blocks)
             draws = inputs.draws(size)
 
             def step(args=args, draws=draws) -> tuple[Tensor, Tensor]:
@@ -68,15 +94,15 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = step()
-            self.graphs[size] = graph
+                self.outputs[key] = step()
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def replay(self, size: int) -> tuple[Tensor, Tensor]:
+    def replay(self, key: GraphKey) -> tuple[Tensor, Tensor]:
         """(logits, each row's drawn token): tokens come out of the graph, with no launch of their own."""
-        self.graphs[size].replay()
-        self.runner.inputs.graph_drew(size)
-        return self.outputs[size]
+        self.graphs[key].replay()
+        self.runner.inputs.graph_drew(key.size)
+        return self.outputs[key]
 
 
 def unowned(tensor: Tensor) -> Tensor:

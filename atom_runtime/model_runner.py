@@ -227,11 +227,11 @@ class ModelRunner:
         token is a placeholder take it from there.
         """
         previous = in_flight.token_ids if in_flight is not None else None
-        graph_size = self.graphs.size_for(chunks) if self.graphs is not None else None
+        graph = self.graphs.key_for(chunks) if self.graphs is not None else None
         drawn = None
-        if graph_size is not None:
-            self.inputs.load(chunks, pad_seqs_to=graph_size, in_flight=previous)
-            logits, drawn = self.graphs.replay(graph_size)
+        if graph is not None:
+            self.inputs.load(chunks, pad_seqs_to=graph.size, in_flight=previous)
+            logits, drawn = self.graphs.replay(graph)
         elif self.piecewise is not None:
             tokens = self.piecewise.size_for(sum(c.num_tokens for c in chunks))
             sizes = self.inputs.load(chunks, in_flight=previous, pad_tokens_to=tokens)
@@ -253,6 +253,6 @@ class ModelRunner:
             sample.start_copy()
         return sample
 
-    def _step_args(self, tokens: int, seqs: int, logits: int) -> tuple:
-        input_ids, positions, meta, logits_indices = self.inputs.views(tokens, seqs, logits)
+    def _step_args(self, tokens: int, seqs: int, logits: int, table_blocks: int | None = None) -> tuple:
+        input_ids, positions, meta, logits_indices = self.inputs.views(tokens, seqs, logits, table_blocks)
         return input_ids, positions, self.kv_caches, meta, logits_indices

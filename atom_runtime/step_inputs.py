@@ -391,12 +391,15 @@ class StepInputs:
         g = self.fields(*self.shape)[0]
         return Draws(g["temperature"][:logits], g["sample_seeds"][:logits], g["sample_positions"][:logits])
 
-    def views(self, tokens: int, seqs: int, logits: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """(input_ids, positions, metadata, logits_indices) of a step of these counts, on the device."""
+    def views(
+        self, tokens: int, seqs: int, logits: int, table_blocks: int | None = None
+    ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """(input_ids, positions, metadata, logits_indices) of a step of these counts, on the device; the block
+        tables' first `table_blocks` columns (all by default) for sequences known to need no more."""
         g = self.fields(tokens, seqs, logits)[0]
         meta = AttentionMetadata(
             slot_mapping=g["slot_mapping"],
-            block_tables=self.block_tables[:seqs],
+            block_tables=self.block_tables[:seqs, :table_blocks],
             seq_lens=g["seq_lens"],
             query_start_loc=g["query_start_loc"],
         )

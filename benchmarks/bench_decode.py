@@ -27,6 +27,7 @@ from bench_common import copy_bandwidth, device_name, dummy_artifact, print_tabl
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import KV_CACHE_DTYPES, EngineConfig
+from atom_runtime.cuda_graphs import GraphKey
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.sequence import Sequence
 
@@ -188,8 +189,9 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
 
 
 @contextlib.contextmanager
-def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Iterator[bool]:
-    """Load the runner's inputs for a decode step of `batch` sequences (False if no graph) for `replays` replays.
+def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Iterator[GraphKey | None]:
+    """Load the runner's inputs for a decode step of `batch` sequences for `replays` replays of the graph the engine
+    would pick for it (its key; None if no graph of that size).
 
     Each replay's draw moves the inputs a token on (`sample_rows`' `advance`), as decoding does: the sequences start
     `replays // 2` tokens short of `context`, so the replays' contexts centre on it. Their KV-cache blocks are
@@ -200,17 +202,17 @@ def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Ite
     context = max(1, context - replays // 2)
     core = llm.engine.core
     runner, blocks = core.runner, core.block_manager
-    if runner.graphs is None or batch not in runner.graphs.graphs:
-        yield False
-        return
     seqs = [Sequence(f"graph-{i}", 0, [0] * (context + REPLAY_ROOM), SamplingParams()) for i in range(batch)]
     try:
         for seq in seqs:
             if not blocks.allocate(seq, context + REPLAY_ROOM):
                 raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
             del seq.token_ids[context:]  # the room stays allocated
-        runner.inputs.load([ScheduledChunk(s, context - 1, 1) for s in seqs], pad_seqs_to=batch)
-        yield True
+        chunks = [ScheduledChunk(s, context - 1, 1) for s in seqs]  # each samples its last token, as decodes do
+        key = runner.graphs.key_for(chunks) if runner.graphs is not None else None
+        if key is not None and key.size == batch:
+            runner.inputs.load(chunks, pad_seqs_to=batch)
+        yield key if key is not None and key.size == batch else None
     finally:
         for seq in seqs:
             blocks.free(seq)
@@ -222,15 +224,15 @@ def graph_step_ms(llm: LLM, batch: int, context: int, reps: int = 50) -> float |
     The GPU time an engine step at that context cannot go below (its KV-cache reads included).
     """
     graphs = llm.engine.core.runner.graphs
-    with decode_graph_inputs(llm, batch, context, 5 + reps) as loaded:
-        if not loaded:
+    with decode_graph_inputs(llm, batch, context, 5 + reps) as key:
+        if key is None:
             return None
         for _ in range(5):
-            graphs.replay(batch)
+            graphs.replay(key)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
-            graphs.replay(batch)
+            graphs.replay(key)
         end.record()
         end.synchronize()
     return start.elapsed_time(end) / reps
@@ -322,15 +324,15 @@ def profile_graph(llm: LLM, batch: int, context: int, out: Path, reps: int = 20)
     time of a real step) and writes the table to `out`.
     """
     graphs = llm.engine.core.runner.graphs
-    with decode_graph_inputs(llm, batch, context, 5 + reps) as loaded:
-        if not loaded:
+    with decode_graph_inputs(llm, batch, context, 5 + reps) as key:
+        if key is None:
             return {"error": f"no decode graph of batch {batch}"}
         for _ in range(5):
-            graphs.replay(batch)
+            graphs.replay(key)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
-                graphs.replay(batch)
+                graphs.replay(key)
             torch.cuda.synchronize()
     trace = out.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace))

@@ -1,12 +1,37 @@
-"""bench_decode's graph-replay profile: how a replay's span is credited to kernels (PDL kernels overlap)."""
+"""bench_decode's graph replays: which graph they replay, and how a replay's span is credited to kernels (PDL
+kernels overlap)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from atom_runtime.block_manager import BlockManager
+from atom_runtime.cuda_graphs import SHORT_CONTEXT, DecodeGraphs, GraphKey
+from atom_runtime.step_inputs import StepInputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from bench_decode import activity_name, critical_path, split_replays  # noqa: E402
+from bench_decode import activity_name, critical_path, decode_graph_inputs, split_replays  # noqa: E402
+
+
+def test_decode_graph_inputs_pick_the_engines_graph():
+    """The timed replays run the graph the engine would pick for the batch at that context (a lone short context:
+    the short batch-1 graph), or none where the engine has none; the blocks they borrow go back."""
+    block_size, max_blocks = 16, 4 * SHORT_CONTEXT // 16
+    runner = SimpleNamespace(inputs=StepInputs(64, 4, max_blocks, block_size, torch.device("cpu")))
+    runner.graphs = DecodeGraphs(runner, [1, 2], pool=None)  # nothing captured: the keys alone
+    blocks = BlockManager(1024, block_size)
+    llm = SimpleNamespace(engine=SimpleNamespace(core=SimpleNamespace(runner=runner, block_manager=blocks)))
+    short = GraphKey(1, SHORT_CONTEXT // block_size)
+    for batch, context, expected in [(1, 1000, short), (1, 3 * SHORT_CONTEXT, GraphKey(1)), (2, 1000, GraphKey(2))]:
+        with decode_graph_inputs(llm, batch, context, 20) as key:
+            assert key == expected and blocks.num_free_blocks < 1024
+        assert blocks.num_free_blocks == 1024
+    with decode_graph_inputs(llm, 3, 1000, 20) as key:  # padded to no captured size of 3
+        assert key is None
 
 
 def kernel(ts: float, dur: float, name: str, grid=None) -> dict:

@@ -38,17 +38,28 @@ def recording_get_cache_key(*args, **kwargs):
     return get_cache_key(*args, **kwargs)
 compiler.get_cache_key = recording_get_cache_key
 
-from atom_runtime import LLM, SamplingParams
+from atom_runtime import LLM, SamplingParams, cuda_graphs
+# A short batch-1 graph for contexts below 58 tokens (4 blocks): the long prompt alone (51 tokens) decodes through
+# it, then through the full batch-1 graph.
+cuda_graphs.SHORT_CONTEXT = 58
+replayed = set()
+replay = cuda_graphs.DecodeGraphs.replay
+def recording_replay(self, key):
+    replayed.add((key.size, key.table_blocks or 0))
+    return replay(self, key)
+cuda_graphs.DecodeGraphs.replay = recording_replay
 # 8-token steps: the long prompt prefills in chunks, beside the others' decodes (piecewise graphs)
 llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=8, kv_cache_dtype=sys.argv[2])
 runner = llm.engine.core.runner
 outs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+lone = llm.generate({prompts!r}[-1:], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 import os, pathlib
 cache = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
 groups = sorted(str(g.relative_to(cache)) for g in cache.glob("*/__grp__*"))
 print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled": compiles, "cache_groups": groups,
-                  "keys": {{c: keys.get(c) for c in compiles}},
-                  "graphs": [sorted(runner.graphs.graphs), runner.piecewise.num_graphed]}}))
+                  "lone": lone[0].outputs[0].token_ids, "keys": {{c: keys.get(c) for c in compiles}},
+                  "graphs": sorted((k.size, k.table_blocks or 0) for k in runner.graphs.graphs),
+                  "replayed": sorted(replayed), "piecewise": runner.piecewise.num_graphed}}))
 """
 
 
@@ -99,7 +110,8 @@ def test_cuda_artifact_serves_without_compiling(
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["graphs"][0] == [1, 2, 4, 8] and result["graphs"][1] > 0  # FULL and PIECEWISE graphs both ran
+    assert result["graphs"] == [[1, 0], [1, 4], [2, 0], [4, 0], [8, 0]] and result["piecewise"] > 0
+    assert [1, 4] in result["replayed"] and [1, 0] in result["replayed"]  # the lone prompt took both batch-1 graphs
     shipped = sorted(
         str(g.relative_to(artifact / "triton_cache")) for g in (artifact / "triton_cache").glob("*/__grp__*")
     )
@@ -135,8 +147,8 @@ def test_cuda_artifact_serves_without_compiling(
         eager.shutdown()
     expected = [o.outputs[0].token_ids for o in expected]
     if quantization is None:
-        assert result["tokens"] == expected
+        assert result["tokens"] == expected and result["lone"] == expected[-1]
     else:  # graphs pad batches (presumably other split-K/split-KV partitions): last bits that e4m3 can amplify
-        pairs = zip(result["tokens"], expected, strict=True)
+        pairs = zip([*result["tokens"], result["lone"]], [*expected, expected[-1]], strict=True)
         agree = [a == b for served, reference in pairs for a, b in zip(served, reference, strict=True)]
         assert [t[:8] for t in result["tokens"]] == [t[:8] for t in expected] and sum(agree) >= 0.9 * len(agree)

@@ -737,6 +737,23 @@ def test_paged_attention_lone_odd_splits():
             check_attention(8, 4, 16, 16, [(1, seq_len)], padding=0, config=config)
 
 
+def test_paged_attention_lone_narrow_table():
+    """A lone sequence's launch takes no more splits than its block table has tiles (at least 2): the runner's short
+    batch-1 graph passes the first columns of its table, a view whose rows keep the full table's stride."""
+    config = dataclasses.replace(attention.default_config(16), decode_block_n=16, decode_waves=16, lone_decode_waves=16)
+    assert attention.decode_splits(1, 4, config, torch.device("cpu")) == 16
+    assert attention.decode_splits(1, 4, config, torch.device("cpu"), max_keys=5 * 16) == 5
+    assert attention.decode_splits(1, 4, config, torch.device("cpu"), max_keys=8) == 2
+    assert attention.decode_splits(2, 4, config, torch.device("cpu"), max_keys=8) > 2  # batches: the waves alone
+    for seq_len, columns in ((37, 10), (80, 10), (16, 2)):
+        q, cache, tables, seq_lens, qsl = attention_batch([(1, seq_len)], 4, 2, 16, 8, 0, DTYPE)
+        wide = torch.full((1, 40), 10**6, dtype=tables.dtype, device=DEVICE)  # columns past the view: never read
+        wide[:, : tables.shape[1]] = tables
+        narrow = wide[:, :columns]
+        out = attention.run_paged_attention(q, cache, narrow, seq_lens, qsl, 16**-0.5, config)
+        assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 16**-0.5), ATTN_TOL)
+
+
 def test_paged_attention_split_keys():
     """In a batch, a split for every 48 keys of 16-key tiles (the case: 100 keys take 3 splits, the last partial; 30
     take 1), in decode-only and mixed launches with padding; a lone sequence splits by the tile (100 keys: 7)."""

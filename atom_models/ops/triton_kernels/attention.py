@@ -775,10 +775,22 @@ def _multiprocessors(device: torch.device) -> int:
     return 4  # the interpreter: a few splits, so tests cover the merge
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, config: AttentionConfig, device: torch.device) -> int:
-    """Splits a sequence's decode programs: `decode_waves` programs a multiprocessor over the batch's heads."""
+def decode_splits(
+    num_seqs: int, num_kv_heads: int, config: AttentionConfig, device: torch.device, max_keys: int | None = None
+) -> int:
+    """Splits a sequence's decode programs: `decode_waves` programs a multiprocessor over the batch's heads.
+
+    A lone sequence splits by the tile, so it takes no more splits than `max_keys` (what its block table can hold)
+    has tiles, and at least 2 (one is the unsplit variant, another kernel). A narrow table gives a short context's
+    launch one program a multiprocessor (the runner's short batch-1 graph, `atom_runtime.cuda_graphs`): at 1024 and
+    2048 keys 6.2 -> 5.8 and 8.2 -> 7.3 us, where 4096 keys want the two of the full table's grid (11.1 against 14.2;
+    H100, `bench_kernels.py --only decode --sweep`, twenty-first session).
+    """
     waves = config.lone_decode_waves if num_seqs == 1 else config.decode_waves
-    return min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
+    splits = min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
+    if num_seqs == 1 and max_keys is not None:
+        splits = min(splits, max(2, triton.cdiv(max_keys, config.decode_block_n)))
+    return splits
 
 
 def _decode_variant(
@@ -833,7 +845,7 @@ def run_paged_attention(
         (k_cache, k_scale), (v_cache, v_scale) = inline_scale_operands(k_cache), inline_scale_operands(v_cache)
     group_p = triton.next_power_of_2(group)
     block_q = max(1, config.block_m // group_p)
-    num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device)
+    num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device, block_tables.shape[1] * block_size)
     decode_block_n, split_keys, merge_splits = _decode_variant(num_seqs, num_splits, group_p, head_dim, config)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
