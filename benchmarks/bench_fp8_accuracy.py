@@ -7,6 +7,7 @@ Any unquantized HF model directory works (the trained demo model included). Its 
 quantized online, one variant at a time, and every variant is compared with the same model in
 `--dtype` (bf16 by default) at every position of the same token windows:
 
+- fp8 kv only: the unquantized model with an FP8 KV cache (per-tensor scale 1.0);
 - weights: per-channel FP8 weights, activations in the model dtype (weight-only);
 - weights+acts: per-channel weights and dynamic per-token FP8 activations (`--quantization fp8`);
 - +fp8 kv: the same with an FP8 KV cache (per-tensor scale 1.0, as without calibration);
@@ -46,6 +47,7 @@ from atom_models.quantization import QuantizationConfig
 BLOCK_SIZE = 16
 # name -> (quantization config, KV-cache dtype: None for the model dtype)
 VARIANTS = {
+    "fp8 kv only": (None, FP8_DTYPE),  # unquantized weights and activations, FP8 cache
     "weights": (QuantizationConfig.online_fp8(activations="none"), None),
     "weights+acts": (QuantizationConfig.online_fp8(), None),
     "+fp8 kv": (QuantizationConfig.online_fp8(), FP8_DTYPE),
@@ -129,7 +131,8 @@ def evaluate(model_dir: Path, args: argparse.Namespace) -> list[dict]:
     reference = run(None, None)
     rows = [{"variant": f"unquantized ({args.dtype})", **compare(reference, reference, [targets])}]
     for name, (quant, kv_dtype) in VARIANTS.items():
-        quant = dataclasses.replace(quant, exclude=[*quant.exclude, *args.keep])
+        if quant is not None:
+            quant = dataclasses.replace(quant, exclude=[*quant.exclude, *args.keep])
         try:
             logits = run(quant, kv_dtype)
         except ValueError as error:  # block weights on a model whose packed shards are not whole blocks
