@@ -227,11 +227,11 @@ class ModelRunner:
         token is a placeholder take it from there.
         """
         previous = in_flight.token_ids if in_flight is not None else None
-        graph = self.graphs.key_for(chunks) if self.graphs is not None else None
+        graph_key = self.graphs.key_for(chunks) if self.graphs is not None else None
         drawn = None
-        if graph is not None:
-            self.inputs.load(chunks, pad_seqs_to=graph.size, in_flight=previous)
-            logits, drawn = self.graphs.replay(graph)
+        if graph_key is not None:
+            self.inputs.load(chunks, pad_seqs_to=graph_key.size, in_flight=previous)
+            logits, drawn = self.graphs.replay(graph_key)
         elif self.piecewise is not None:
             tokens = self.piecewise.size_for(sum(c.num_tokens for c in chunks))
             sizes = self.inputs.load(chunks, in_flight=previous, pad_tokens_to=tokens)

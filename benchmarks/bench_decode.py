@@ -210,9 +210,11 @@ def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Ite
             del seq.token_ids[context:]  # the room stays allocated
         chunks = [ScheduledChunk(s, context - 1, 1) for s in seqs]  # each samples its last token, as decodes do
         key = runner.graphs.key_for(chunks) if runner.graphs is not None else None
-        if key is not None and key.size == batch:
+        if key is not None and key.size != batch:  # a larger graph's padding: not the one asked for
+            key = None
+        if key is not None:
             runner.inputs.load(chunks, pad_seqs_to=batch)
-        yield key if key is not None and key.size == batch else None
+        yield key
     finally:
         for seq in seqs:
             blocks.free(seq)
