@@ -560,3 +560,35 @@ def test_a_seeded_draw_depends_on_its_seed_and_position_alone():
     again = Sequence("seeded", 0, [1], SamplingParams(temperature=0.9, seed=11))
     assert sample(logits[1:2], [again], position=40) == alone
     assert [sample(logits[1:2], [seeded], position=p)[0] for p in range(41, 49)] != alone * 8
+
+
+def test_decode_graph_keys():
+    """A lone decode whose context fits SHORT_CONTEXT replays the short batch-1 graph (the block tables' first
+    columns, a view with the full rows' stride); longer ones, batches, and engines without a batch-1 graph or
+    with tables no wider than it take the graphs by size; prefill chunks none."""
+    from types import SimpleNamespace
+
+    from atom_runtime.cuda_graphs import SHORT_CONTEXT, DecodeGraphs, GraphKey
+
+    def graphs(sizes: list[int], max_blocks: int) -> DecodeGraphs:
+        runner = SimpleNamespace(inputs=StepInputs(64, 8, max_blocks, 16, torch.device("cpu")))
+        return DecodeGraphs(runner, sizes, pool=None)
+
+    def decodes(*contexts: int) -> list[ScheduledChunk]:
+        seqs = [Sequence(f"s{i}", 0, [1] * n, SamplingParams()) for i, n in enumerate(contexts)]
+        return [ScheduledChunk(s, len(s.token_ids) - 1, 1) for s in seqs]
+
+    wide = graphs([1, 2, 4], 4 * SHORT_CONTEXT // 16)
+    short = GraphKey(1, SHORT_CONTEXT // 16)
+    assert wide.keys() == [GraphKey(4), GraphKey(2), GraphKey(1), short]
+    assert wide.key_for(decodes(SHORT_CONTEXT)) == short  # its keys, the new token's included, fit
+    assert wide.key_for(decodes(SHORT_CONTEXT + 1)) == GraphKey(1)
+    assert wide.key_for(decodes(10, 20, 30)) == GraphKey(4)
+    assert wide.key_for(decodes(10, 20, 30, 40, 50)) is None
+    prompt = Sequence("p", 0, [1] * 8, SamplingParams())
+    assert wide.key_for([ScheduledChunk(prompt, 0, 8)]) is None
+    assert graphs([2, 4], 4 * SHORT_CONTEXT // 16).keys() == [GraphKey(4), GraphKey(2)]
+    assert graphs([1, 2], SHORT_CONTEXT // 16).key_for(decodes(100)) == GraphKey(1)  # the table is no wider
+    inputs = wide.runner.inputs
+    tables = inputs.views(1, 1, 1, short.table_blocks)[2].block_tables
+    assert tables.shape == (1, short.table_blocks) and tables.stride(0) == inputs.block_tables.shape[1]
