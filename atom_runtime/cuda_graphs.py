@@ -10,8 +10,10 @@ row's penalties or filters change the logits (no launch of its own around the gr
 graph's input ids, where the next decode step of the batch reads them, and the draw moves the graph's positions,
 slots and lengths one token on, so that step usually copies nothing (see `atom_runtime.step_inputs`).
 A lone sequence of at most SHORT_CONTEXT tokens replays a second graph of size 1, captured over its block table's
-first columns only: the attention launch takes its grid from the table (`attention.decode_splits`), so a short
-context's splits get one program a multiprocessor instead of the full table's two.
+first columns only: a lone sequence's attention launch takes no more splits than its table has tiles
+(`attention.decode_splits`), so the short graph's grid has no idle programs beyond those tiles (8 KV heads on an
+H100: 128 programs, one a multiprocessor, where the full table's 264 put two on some), and a short context's active
+programs land one a multiprocessor.
 Prefill and mixed batches run outside the graphs, or through the PIECEWISE graphs below. All graphs are
 captured into one memory pool, largest first so the smaller graphs fit inside what the largest reserved (FULL
 and piecewise graphs capture on different streams, so the allocator keeps their blocks apart).
@@ -41,6 +43,13 @@ if TYPE_CHECKING:
 SHORT_CONTEXT = 2048
 
 
+def short_table_blocks(max_blocks: int, block_size: int) -> int | None:
+    """Block-table columns of the short batch-1 graph, or None where the full table is less than twice as wide (its
+    launch then differs little from the short one's)."""
+    short = -(-SHORT_CONTEXT // block_size)
+    return short if 2 * short <= max_blocks else None
+
+
 class GraphKey(NamedTuple):
     """A captured decode graph: its batch size, and the block-table columns it reads (None: all of them)."""
 
@@ -56,8 +65,8 @@ class DecodeGraphs:
         self.outputs: dict[GraphKey, tuple[Tensor, Tensor]] = {}  # (logits, each row's drawn token)
         self.pool = pool
         inputs = runner.inputs
-        short = -(-SHORT_CONTEXT // inputs.block_size)
-        self.short_blocks = short if 1 in self.sizes and short < inputs.block_tables.shape[1] else None
+        short = short_table_blocks(inputs.block_tables.shape[1], inputs.block_size)
+        self.short_blocks = short if 1 in self.sizes else None
 
     def keys(self) -> list[GraphKey]:
         """Every graph to capture, largest first."""

@@ -176,7 +176,8 @@ class ModelRunner:
         used = free_before - torch.cuda.mem_get_info()[0]
         del trials, self.kv_caches, self.inputs, cache
         torch.cuda.empty_cache()
-        return int(used * 1.2) + (2 << 20) * len(self.capture_sizes + self.piecewise_sizes)
+        graphs = len(self.capture_sizes + self.piecewise_sizes) + int(1 in self.capture_sizes)  # + the short one
+        return int(used * 1.2) + (2 << 20) * graphs
 
     def profile_run(self) -> None:
         """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory."""

@@ -12,6 +12,20 @@ import torch
 import triton
 
 from atom_models.checkpoints import make_config_only
+from atom_runtime.cuda_graphs import SHORT_CONTEXT, short_table_blocks
+
+# The served max_model_len (Llama-3's) the kernel benchmarks' block tables are as wide as: a lone sequence's decode
+# launch takes its splits from its table's width (`attention.decode_splits`), so the tables are those the engine's
+# decode graphs pass.
+SERVED_MAX_MODEL_LEN = 8192
+
+
+def served_table_blocks(num_seqs: int, max_context: int, block_size: int) -> int:
+    """Columns of the block table the engine's decode graph passes for this batch (the short batch-1 graph's, for a
+    lone sequence that fits it)."""
+    full = max(-(-SERVED_MAX_MODEL_LEN // block_size), -(-max_context // block_size))
+    short = short_table_blocks(full, block_size)
+    return short if num_seqs == 1 and short is not None and max_context <= SHORT_CONTEXT else full
 
 
 def git_commit() -> str:

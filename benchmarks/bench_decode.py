@@ -191,7 +191,8 @@ def profile_engine(llm: LLM, prompts: list[list[int]], steps: int, out: Path) ->
 @contextlib.contextmanager
 def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Iterator[GraphKey | None]:
     """Load the runner's inputs for a decode step of `batch` sequences for `replays` replays of the graph the engine
-    would pick for it (its key; None if no graph of that size).
+    would pick for it (its key; None if no graph of that size), at the last replay's context: a short graph only if
+    every replay fits it.
 
     Each replay's draw moves the inputs a token on (`sample_rows`' `advance`), as decoding does: the sequences start
     `replays // 2` tokens short of `context`, so the replays' contexts centre on it. Their KV-cache blocks are
@@ -209,7 +210,9 @@ def decode_graph_inputs(llm: LLM, batch: int, context: int, replays: int) -> Ite
                 raise RuntimeError(f"the KV cache cannot hold {batch} sequences of {context} tokens")
             del seq.token_ids[context:]  # the room stays allocated
         chunks = [ScheduledChunk(s, context - 1, 1) for s in seqs]  # each samples its last token, as decodes do
-        key = runner.graphs.key_for(chunks) if runner.graphs is not None else None
+        end = context + replays - 1  # the last replay's context
+        last = [ScheduledChunk(Sequence(f"last-{i}", 0, [0] * end, SamplingParams()), end - 1, 1) for i in range(batch)]
+        key = runner.graphs.key_for(last) if runner.graphs is not None else None
         if key is not None and key.size != batch:  # a larger graph's padding: not the one asked for
             key = None
         if key is not None:

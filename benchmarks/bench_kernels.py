@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import copy_bandwidth, graph_ms, median_ms
+from bench_common import copy_bandwidth, graph_ms, median_ms, served_table_blocks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atom_models.ops import attention as attention_ops
@@ -48,11 +48,13 @@ MIN_DECODE_BYTES = 256 * 2**20
 
 
 def paged_batch(query_lens: list[int], seq_lens: list[int]):
-    """q, a random paged cache holding exactly these contexts in scattered blocks, and the metadata."""
+    """q, a random paged cache holding exactly these contexts in scattered blocks, and the metadata (block tables
+    as wide as the engine's decode graphs pass them)."""
     blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
     cache = torch.randn(2, sum(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    columns = served_table_blocks(len(seq_lens), max(seq_lens), BLOCK_SIZE)
+    tables = torch.zeros(len(seq_lens), columns, dtype=torch.int32, device="cuda")
     start = 0
     for i, n in enumerate(blocks):
         tables[i, :n] = order[start : start + n]
@@ -87,7 +89,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The paged cache's keys and values of every sequence as [b, kv_heads, seq, d], for SDPA."""
-    k, v = (c[tables.long()].flatten(1, 2)[:, :seq].transpose(1, 2).contiguous() for c in cache)
+    rows = tables[:, : -(-seq // cache.shape[2])].long()  # the tables' columns that hold the context
+    k, v = (c[rows].flatten(1, 2)[:, :seq].transpose(1, 2).contiguous() for c in cache)
     return k, v
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_common import device_name, graph_ms, print_table, write_json
+from bench_common import device_name, graph_ms, print_table, served_table_blocks, write_json
 
 from atom_models.checkpoints import PRESETS
 from atom_models.ops import set_backend
@@ -43,7 +43,8 @@ def layer_cases(preset: dict, batch: int, context: int, fp8: bool) -> dict[str, 
     head_dim = preset.get("head_dim", hidden // q_heads)
     blocks_per_seq = -(-context // BLOCK_SIZE)
     cache = torch.randn(2, batch * blocks_per_seq, BLOCK_SIZE, kv_heads, head_dim, device=device, dtype=dtype)
-    tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
+    tables = torch.zeros(batch, served_table_blocks(batch, context, BLOCK_SIZE), dtype=torch.int32, device=device)
+    tables[:, :blocks_per_seq] = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)

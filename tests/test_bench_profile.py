@@ -26,7 +26,14 @@ def test_decode_graph_inputs_pick_the_engines_graph():
     blocks = BlockManager(1024, block_size)
     llm = SimpleNamespace(engine=SimpleNamespace(core=SimpleNamespace(runner=runner, block_manager=blocks)))
     short = GraphKey(1, SHORT_CONTEXT // block_size)
-    for batch, context, expected in [(1, 1000, short), (1, 3 * SHORT_CONTEXT, GraphKey(1)), (2, 1000, GraphKey(2))]:
+    cases = [
+        (1, 1000, short),
+        (1, SHORT_CONTEXT - 10, short),  # the 20 replays' contexts end at 2,047 tokens: all fit
+        (1, SHORT_CONTEXT, GraphKey(1)),  # the later replays would not fit the short graph
+        (1, 3 * SHORT_CONTEXT, GraphKey(1)),
+        (2, 1000, GraphKey(2)),
+    ]
+    for batch, context, expected in cases:
         with decode_graph_inputs(llm, batch, context, 20) as key:
             assert key == expected and blocks.num_free_blocks < 1024
         assert blocks.num_free_blocks == 1024

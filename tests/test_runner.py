@@ -589,6 +589,7 @@ def test_decode_graph_keys():
     assert wide.key_for([ScheduledChunk(prompt, 0, 8)]) is None
     assert graphs([2, 4], 4 * SHORT_CONTEXT // 16).keys() == [GraphKey(4), GraphKey(2)]
     assert graphs([1, 2], SHORT_CONTEXT // 16).key_for(decodes(100)) == GraphKey(1)  # the table is no wider
+    assert graphs([1], 2 * SHORT_CONTEXT // 16 - 1).keys() == [GraphKey(1)]  # nor twice as wide: a launch alike
     inputs = wide.runner.inputs
     tables = inputs.views(1, 1, 1, short.table_blocks)[2].block_tables
     assert tables.shape == (1, short.table_blocks) and tables.stride(0) == inputs.block_tables.shape[1]

@@ -737,21 +737,25 @@ def test_paged_attention_lone_odd_splits():
             check_attention(8, 4, 16, 16, [(1, seq_len)], padding=0, config=config)
 
 
-def test_paged_attention_lone_narrow_table():
+def test_paged_attention_lone_narrow_table(monkeypatch):
     """A lone sequence's launch takes no more splits than its block table has tiles (at least 2): the runner's short
-    batch-1 graph passes the first columns of its table, a view whose rows keep the full table's stride."""
+    batch-1 graph passes the first columns of its table, a view whose rows keep the full table's stride (a batch's
+    rows too, in a mixed launch)."""
     config = dataclasses.replace(attention.default_config(16), decode_block_n=16, decode_waves=16, lone_decode_waves=16)
     assert attention.decode_splits(1, 4, config, torch.device("cpu")) == 16
     assert attention.decode_splits(1, 4, config, torch.device("cpu"), max_keys=5 * 16) == 5
     assert attention.decode_splits(1, 4, config, torch.device("cpu"), max_keys=8) == 2
     assert attention.decode_splits(2, 4, config, torch.device("cpu"), max_keys=8) > 2  # batches: the waves alone
-    for seq_len, columns in ((37, 10), (80, 10), (16, 2)):
-        q, cache, tables, seq_lens, qsl = attention_batch([(1, seq_len)], 4, 2, 16, 8, 0, DTYPE)
-        wide = torch.full((1, 40), 10**6, dtype=tables.dtype, device=DEVICE)  # columns past the view: never read
+    splits, decode_splits = [], attention.decode_splits
+    monkeypatch.setattr(attention, "decode_splits", lambda *a, **k: splits.append(decode_splits(*a, **k)) or splits[-1])
+    cases = [([(1, 37)], 10, 5), ([(1, 80)], 10, 5), ([(1, 16)], 2, 2), ([(1, 30), (4, 20), (1, 45)], 7, None)]
+    for lens, columns, expected_splits in cases:
+        q, cache, tables, seq_lens, qsl = attention_batch(lens, 4, 2, 16, 8, 0, DTYPE)
+        wide = torch.full((len(lens), 40), 10**6, dtype=tables.dtype, device=DEVICE)  # past the contexts: never read
         wide[:, : tables.shape[1]] = tables
-        narrow = wide[:, :columns]
-        out = attention.run_paged_attention(q, cache, narrow, seq_lens, qsl, 16**-0.5, config)
+        out = attention.run_paged_attention(q, cache, wide[:, :columns], seq_lens, qsl, 16**-0.5, config)
         assert_close(out, paged_attention_reference(q, cache, tables, seq_lens, qsl, 16**-0.5), ATTN_TOL)
+        assert expected_splits is None or splits[-1] == expected_splits
 
 
 def test_paged_attention_split_keys():

@@ -781,11 +781,13 @@ def decode_splits(
     """Splits a sequence's decode programs: `decode_waves` programs a multiprocessor over the batch's heads.
 
     A lone sequence splits by the tile, so it takes no more splits than `max_keys` (what its block table can hold)
-    has tiles, and at least 2 (one is the unsplit variant, another kernel). A narrow table gives a short context's
-    launch one program a multiprocessor (the runner's short batch-1 graph, `atom_runtime.cuda_graphs`): a grid of one
-    program a multiprocessor read 1024 and 2048 keys in 5.8 and 7.3 us against 6.2 and 8.2, where 4096 keys want the
-    full table's two (11.1 against 14.2; H100, `bench_kernels.py --only decode --sweep`, twenty-first session);
-    Qwen3-0.6B batch 1 at context 1536, 0.806 -> 0.786 ms a step.
+    has tiles (more would hold no keys), and at least 2 (one is the unsplit variant, another kernel). The runner's
+    short batch-1 graph (`atom_runtime.cuda_graphs`) passes a narrow table, so a short context's launch has no idle
+    programs past its table's tiles: with 8 KV heads on an H100, 16 splits, one program a multiprocessor, where the
+    full table's 33 put two on some. The sweep's grid of one program a multiprocessor (17 splits) read 1024 and 2048
+    keys in 5.8 and 7.3 us against 6.2 and 8.2, where 4096 keys want the full table's two (11.1 against 14.2; H100,
+    `bench_kernels.py --only decode --sweep`, twenty-first session); Qwen3-0.6B batch 1 at context 1536, 0.806 ->
+    0.786 ms a step. (A served max_model_len under 33 tiles trims the full graph's launch the same way: unmeasured.)
     """
     waves = config.lone_decode_waves if num_seqs == 1 else config.decode_waves
     splits = min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
