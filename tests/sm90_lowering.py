@@ -5,6 +5,7 @@ must be off when kernels are defined). The interpreter executes kernels as numpy
 lowering does (layouts, reshapes, dtypes, register limits).
 
     python tests/sm90_lowering.py --registers   # also each variant's registers and spill bytes (ptxas -v)
+    python tests/sm90_lowering.py --sass        # also the instructions of each variant's innermost loop (nvdisasm)
 
 Registers per thread decide how many programs a multiprocessor holds; spills go through local memory. Both
 are worth a look, GPU or not, before timing a kernel change.
@@ -14,6 +15,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
+from pathlib import Path
 
 import triton
 import triton.language as tl
@@ -64,7 +67,37 @@ def build(kernel, pointers: dict[str, str], constexprs: dict, **options) -> str:
     assert ("griddepcontrol.wait" in ptx) == constexprs.get("USE_PDL", False)
     if "--registers" in sys.argv:
         report_registers(kernel.__name__, ptx, constexprs, options)
+    if "--sass" in sys.argv:
+        report_loop(kernel.__name__, compiled.asm["cubin"], constexprs)
     return ptx
+
+
+def report_loop(name: str, cubin: bytes, constexprs: dict) -> None:
+    """One line: the kernel's sm_90 instructions, those of each loop (the spans backward branches close), and the
+    opcodes of its largest innermost loop, the one a streaming kernel issues every tile."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        nvdisasm = Path(get_ptxas(90).path).with_name("nvdisasm")
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*?(?:`\(([.\w]+)\))?\s*;", sass)
+    labels = {m.group(1): int(m.group(2), 16) for m in re.finditer(r"(\.L_x_\d+):\n\s*/\*([0-9a-f]+)\*/", sass)}
+    spans = sorted(
+        {(labels[to], int(at, 16)) for at, op, to in code if op == "BRA" and labels.get(to, 1 << 62) < int(at, 16)}
+    )
+    sizes = [sum(start <= int(at, 16) <= end for at, _, _ in code) for start, end in spans]
+    shown = {k: v for k, v in constexprs.items() if isinstance(v, int | bool) and k != "USE_PDL"}
+    innermost = [
+        (size, span)
+        for size, span in zip(sizes, spans, strict=True)
+        if not any(other != span and span[0] <= other[0] and other[1] <= span[1] for other in spans)
+    ]
+    top = ""
+    if innermost:
+        start, end = max(innermost)[1]
+        body = Counter(op for at, op, _ in code if start <= int(at, 16) <= end)
+        top = "largest innermost: " + " ".join(f"{op} {n}" for op, n in body.most_common(8))
+    print(f"{name:<28} sass {len(code):>5}  loops {sizes}  {top}  {shown}")
 
 
 def registers_and_spills(ptx: str) -> tuple[int, int]:
