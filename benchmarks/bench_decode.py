@@ -2,8 +2,9 @@
 
     python benchmarks/bench_decode.py --preset qwen3-0.6b --batch-sizes 1 8 64 256 --context 400
     python benchmarks/bench_decode.py --preset llama-3-8b --batch-sizes 1 8 64 256
+    python benchmarks/bench_decode.py --artifact A --batch-sizes 1 --context 400 1536 --max-model-len 8192
 
-Exports the preset with random weights, then for each batch size streams `context`-token prompts
+Exports the preset with random weights, then for each context and batch size streams `context`-token prompts
 through the engine and reports two times per decode step: `engine` (the whole step once every
 sequence decodes, scheduling, sampling and the outputs' delivery included; see `timed_decode`)
 and `graph` (replaying the step's CUDA graph alone at the timed steps' mean context, timed with
@@ -19,6 +20,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -360,7 +362,9 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--artifact", type=Path, default=None, help="use this artifact instead of exporting")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--context", type=int, default=400, help="prompt tokens per sequence")
+    parser.add_argument(
+        "--context", type=int, nargs="+", default=[400], help="prompt tokens per sequence (each, one engine)"
+    )
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument(
@@ -377,15 +381,15 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="also profile an eager step and the decode graph's replays at the smallest batch, "
-        "and trace the engine at the smallest and the largest batch",
+        "and trace the engine at the smallest and the largest batch (at the first context)",
     )
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     needed = (
-        args.context
+        max(args.context)
         + args.steps
-        + head_start_steps(max(args.batch_sizes), args.context, EngineConfig().max_num_batched_tokens)
+        + head_start_steps(max(args.batch_sizes), max(args.context), EngineConfig().max_num_batched_tokens)
         + 16
         + REPLAY_ROOM  # the graph replays' (`decode_graph_inputs`)
     )
@@ -410,21 +414,22 @@ def main() -> None:
         kv_token_bytes = runner.block_bytes / runner.block_size  # K and V of every layer (and any inline scales)
         generator = torch.Generator().manual_seed(0)
         rows = []
-        for batch in args.batch_sizes:
-            prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
+        for context, batch in product(args.context, args.batch_sizes):
+            prompts = torch.randint(0, config.vocab_size, (batch, context), generator=generator).tolist()
             timed_decode(llm, prompts, 4, temperature=args.temperature)  # warm-up
             skipped = runner.inputs.skipped_uploads
             step_s, phase_s = timed_decode(llm, prompts, args.steps, temperature=args.temperature)
             skipped = runner.inputs.skipped_uploads - skipped  # steps that found their inputs on the device
             engine_ms = step_s * 1e3
             phases = {f"{p}_ms": seconds * 1e3 for p, seconds in phase_s.items()}
-            kv_bytes = batch * (args.context + args.steps // 2) * kv_token_bytes
+            kv_bytes = batch * (context + args.steps // 2) * kv_token_bytes
             roofline_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
             rows.append(
                 {
+                    "context": context,
                     "batch": batch,
                     "engine_ms": engine_ms,
-                    "graph_ms": graph_step_ms(llm, batch, args.context + args.steps // 2),
+                    "graph_ms": graph_step_ms(llm, batch, context + args.steps // 2),
                     "roofline_ms": roofline_ms,
                     "weights_only_roofline_ms": weight_bytes / bandwidth * 1e3,
                     "fraction_of_roofline": roofline_ms / engine_ms,
@@ -439,22 +444,23 @@ def main() -> None:
             graph_profile = profile_graph(
                 llm,
                 min(args.batch_sizes),
-                args.context + args.steps // 2,
+                args.context[0] + args.steps // 2,
                 args.out.with_name(f"{args.out.stem}-graph.txt"),
             )
             trace = {}
             for batch in sorted({min(args.batch_sizes), max(args.batch_sizes)}):
-                prompts = torch.randint(0, config.vocab_size, (batch, args.context), generator=generator).tolist()
+                prompts = torch.randint(0, config.vocab_size, (batch, args.context[0]), generator=generator).tolist()
                 trace[batch] = profile_engine(llm, prompts, 32, args.out.with_name(f"{args.out.stem}-b{batch}"))
         llm.shutdown()
     manifest = llm.engine.core.runner.model.forward.manifest
     scheme = (manifest["quantization"] or {}).get("method") or manifest["dtype"]
     model_name = Path(args.artifact).name if args.artifact else args.preset
     print_table(
-        f"decode, {model_name}, {scheme}, context {args.context}, {device_name()}, copy {bandwidth / 1e12:.2f} TB/s, "
+        f"decode, {model_name}, {scheme}, {device_name()}, copy {bandwidth / 1e12:.2f} TB/s, "
         f"weights {weight_bytes / 1e9:.2f} GB",
         rows,
         [
+            ("context", "context", "d"),
             ("batch", "batch", "d"),
             ("engine_ms", "engine ms", ".3f"),
             ("median_step_ms", "median ms", ".3f"),
