@@ -14,7 +14,17 @@ from atom_runtime.cuda_graphs import SHORT_CONTEXT, DecodeGraphs, GraphKey
 from atom_runtime.step_inputs import StepInputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_common import served_table_blocks  # noqa: E402
 from bench_decode import activity_name, critical_path, decode_graph_inputs, split_replays  # noqa: E402
+
+
+def test_kernel_benches_pass_the_engines_block_tables():
+    """A lone context that fits the short batch-1 graph gets its table's width, anything else the served
+    max_model_len's (or the context's, if longer)."""
+    short = SHORT_CONTEXT // 16
+    assert served_table_blocks(1, 432, 16) == served_table_blocks(1, SHORT_CONTEXT, 16) == short
+    assert served_table_blocks(1, SHORT_CONTEXT + 1, 16) == served_table_blocks(64, 432, 16) == 8192 // 16
+    assert served_table_blocks(1, 10_000, 16) == 625
 
 
 def test_decode_graph_inputs_pick_the_engines_graph():
