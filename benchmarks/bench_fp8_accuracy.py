@@ -7,7 +7,8 @@ Any unquantized HF model directory works (the trained demo model included). Its 
 quantized online, one variant at a time, and every variant is compared with the same model in
 `--dtype` (bf16 by default) at every position of the same token windows:
 
-- fp8 kv only: the unquantized model with an FP8 KV cache (per-tensor scale 1.0);
+- fp8 kv only: the unquantized model with an FP8 KV cache (per-tensor scale 1.0), and `per token-head only` with a
+  scale per token and head;
 - weights: per-channel FP8 weights, activations in the model dtype (weight-only);
 - weights+acts: per-channel weights and dynamic per-token FP8 activations (`--quantization fp8`);
 - +fp8 kv: the same with an FP8 KV cache (per-tensor scale 1.0, as without calibration);
@@ -48,6 +49,7 @@ BLOCK_SIZE = 16
 # name -> (quantization config, KV-cache dtype: None for the model dtype)
 VARIANTS = {
     "fp8 kv only": (None, FP8_DTYPE),  # unquantized weights and activations, FP8 cache
+    "fp8 kv per token-head only": (None, INLINE_SCALE_DTYPE),
     "weights": (QuantizationConfig.online_fp8(activations="none"), None),
     "weights+acts": (QuantizationConfig.online_fp8(), None),
     "+fp8 kv": (QuantizationConfig.online_fp8(), FP8_DTYPE),
