@@ -19,11 +19,11 @@ Python API for compiler experiments::
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from atom_compile.lazy_names import lazy_names
 from atom_compile.options import ExportOptions
 
 if TYPE_CHECKING:
@@ -66,14 +66,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'atom_compile' has no attribute {name!r}")
-    return getattr(importlib.import_module(_MODULE_OF[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _MODULE_OF, __all__)
 
 
 class _Package(types.ModuleType):

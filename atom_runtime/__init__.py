@@ -6,8 +6,9 @@ imports.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from atom_compile.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from atom_runtime.config import EngineConfig
@@ -25,11 +26,4 @@ _MODULE_OF = {
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'atom_runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(_MODULE_OF[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _MODULE_OF, __all__)

@@ -50,6 +50,12 @@ def short_table_blocks(max_blocks: int, block_size: int) -> int | None:
     return short if 2 * short <= max_blocks else None
 
 
+def fits_short_graph(num_seqs: int, context: int) -> bool:
+    """Whether a decode step of `num_seqs` sequences of at most `context` tokens (the new one included) replays the
+    short batch-1 graph, where there is one."""
+    return num_seqs == 1 and context <= SHORT_CONTEXT
+
+
 class GraphKey(NamedTuple):
     """A captured decode graph: its batch size, and the block-table columns it reads (None: all of them)."""
 
@@ -77,7 +83,7 @@ class DecodeGraphs:
         """The captured graph that runs this step, or None if it must run outside the graphs."""
         if not all(c.num_tokens == 1 and c.samples for c in chunks):
             return None
-        if self.short_blocks and len(chunks) == 1 and chunks[0].start < SHORT_CONTEXT:  # its keys: start + 1
+        if self.short_blocks and fits_short_graph(len(chunks), chunks[0].start + 1):
             return GraphKey(1, self.short_blocks)
         at = bisect.bisect_left(self.sizes, len(chunks))
         return GraphKey(self.sizes[at]) if at < len(self.sizes) else None

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from atom_models.checkpoints import make_config_only
-from atom_runtime.cuda_graphs import SHORT_CONTEXT, short_table_blocks
+from atom_runtime.cuda_graphs import fits_short_graph, short_table_blocks
 
 # The served max_model_len (Llama-3's) the kernel benchmarks' block tables are as wide as: a lone sequence's decode
 # launch takes its splits from its table's width (`attention.decode_splits`), so the tables are those the engine's
@@ -25,7 +25,7 @@ def served_table_blocks(num_seqs: int, max_context: int, block_size: int) -> int
     lone sequence that fits it)."""
     full = max(-(-SERVED_MAX_MODEL_LEN // block_size), -(-max_context // block_size))
     short = short_table_blocks(full, block_size)
-    return short if num_seqs == 1 and short is not None and max_context <= SHORT_CONTEXT else full
+    return short if short is not None and fits_short_graph(num_seqs, max_context) else full
 
 
 def git_commit() -> str:
