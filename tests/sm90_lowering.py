@@ -186,6 +186,7 @@ assert registers_and_spills(gated) == (cap, 0)
 # the fp8_linear ops' weight-only GEMV: an unquantized token through an fp8 weight, after each prologue
 weight_only = {**unscaled, "SCALED": True, "SCALE_K": 512, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 8}
 weight_only |= {"BLOCK_K": 512, "USE_DOT": False, "NUM_STAGES": 4, "SPLIT": False, "WEIGHT_FIRST": False}
+weight_only |= {"ONE_WAVE": False}
 fp8_weight = {**bf16_gemm, "w_ptr": FP8, "res_ptr": BF16, "g_ptr": BF16, "sum_ptr": BF16}
 loop_ptx = [
     build(gemm._skinny_mm_kernel, fp8_weight, {**weight_only, "PROLOGUE": prologue}, num_warps=2)
@@ -199,6 +200,11 @@ loop_ptx.append(build(gemm._skinny_mm_kernel, bf16_gemm, bf16_loop, num_warps=2)
 for ptx in loop_ptx:
     assert ptx.count("griddepcontrol.launch_dependents") == 1
     assert 0 <= ptx.rfind("cp.async.commit_group") < ptx.find("griddepcontrol.launch_dependents")
+# unless its programs are one wave: then at its wait, before its first
+one_wave = build(gemm._skinny_mm_kernel, fp8_weight, {**gated_loop, "ONE_WAVE": True}, num_warps=2)
+assert one_wave.count("griddepcontrol.launch_dependents") == 1
+assert one_wave.find("griddepcontrol.wait") < one_wave.find("griddepcontrol.launch_dependents")
+assert one_wave.find("griddepcontrol.launch_dependents") < one_wave.find("cp.async.commit_group")
 # caches: bf16, FP8 with per-tensor scales, FP8 with inline (token, head) scales
 for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     cache = FP8 if fp8_cache else BF16

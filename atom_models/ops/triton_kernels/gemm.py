@@ -273,6 +273,11 @@ SKINNY_MAX_M = 64
 # programs take the multiprocessors of later waves); after the loop, 5.787 -> 5.736, and FP8 3.659 -> 3.602 (H100,
 # 2026-11-26).
 GEMV_WEIGHT_FIRST_MAX_BYTES = 12 << 20
+# A pipelined GEMV of one wave (at most GEMV_ONE_WAVE programs a multiprocessor, all resident at once: Llama-3-8B's
+# qkv, o and down at 768 / 512 / 512 programs, not gate_up's 3584) leaves no later wave a multiprocessor to take,
+# so it lets the next kernel launch at its wait (H100, `bench_layer.py --preset llama-3-8b --quantization fp8`,
+# seventeenth session: 96.6-96.8 -> 96.1-96.2 us a layer; o and down only, 97.1).
+GEMV_ONE_WAVE = 8
 
 
 @dataclass(frozen=True)
@@ -449,6 +454,7 @@ def _skinny_mm_kernel(
     WEIGHT_FIRST: tl.constexpr,
     ONE_TRIP: tl.constexpr,
     GATED: tl.constexpr,
+    ONE_WAVE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
@@ -473,7 +479,8 @@ def _skinny_mm_kernel(
 
     WEIGHT_FIRST: each K slice is one tile, loaded before the PDL wait (the weight does not depend on the
     kernel before; on a small weight its stream then overlaps that kernel's tail instead of following it).
-    Otherwise the one-token GEMV lets the next kernel launch only after its loop (a large weight's many waves).
+    Otherwise the one-token GEMV lets the next kernel launch only after its loop (a large weight's many waves),
+    or at its wait where ONE_WAVE (all of its programs resident at once).
     ONE_TRIP (weight first): the tile's loop of one trip gets constant bounds, so the compiler drops it. In a
     runtime loop ptxas hoists the loop-invariant tile's unpacking out of it, twice its registers (Qwen3-0.6B's
     gate_up 125 a thread, 92 without; capped at 80 it spills nothing, the loop form does), but it schedules the
@@ -501,7 +508,7 @@ def _skinny_mm_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     if WEIGHT_FIRST:  # nothing writes the weight: load it while the kernel that writes x may still run
         w_first = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < k_end - k_start)[None, :], other=0.0)
-    wait_for_previous_kernel(USE_PDL, LAUNCH_NEXT=WEIGHT_FIRST or USE_DOT)
+    wait_for_previous_kernel(USE_PDL, LAUNCH_NEXT=WEIGHT_FIRST or USE_DOT or ONE_WAVE)
     ws_ptrs = ws_ptr + (offs_n // SCALE_N) * stride_wsn
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -541,7 +548,7 @@ def _skinny_mm_kernel(
         w_ptrs += BLOCK_K
     if not USE_DOT:
         acc += tl.sum(runs, axis=1)[:, None]
-    if not (WEIGHT_FIRST or USE_DOT):  # a large weight's waves: the next kernel launches as the last ones finish
+    if not (WEIGHT_FIRST or USE_DOT or ONE_WAVE):  # a large weight's waves: the next kernel launches as the last end
         launch_next_kernel(USE_PDL)
 
     last = True  # without a split, every program stores its own tile
@@ -674,6 +681,7 @@ def run_skinny_mm(
             WEIGHT_FIRST=weight_first,
             ONE_TRIP=weight_first and config.max_registers is not None,  # a capped weight-first config: its one tile
             GATED=gated,
+            ONE_WAVE=n_tiles * split_k <= GEMV_ONE_WAVE * _multiprocessors(x.device),
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl_launch(x.device),
