@@ -275,8 +275,9 @@ SKINNY_MAX_M = 64
 GEMV_WEIGHT_FIRST_MAX_BYTES = 12 << 20
 # A pipelined GEMV of one wave (at most GEMV_ONE_WAVE programs a multiprocessor, all resident at once: Llama-3-8B's
 # qkv, o and down at 768 / 512 / 512 programs, not gate_up's 3584) leaves no later wave a multiprocessor to take,
-# so it lets the next kernel launch at its wait (H100, `bench_layer.py --preset llama-3-8b --quantization fp8`,
-# seventeenth session: 96.6-96.8 -> 96.1-96.2 us a layer; o and down only, 97.1).
+# so it lets the next kernel launch at its wait. H100, 2026-11-27: Llama-3-8B FP8 batch-1 step 3.277-3.280 ->
+# 3.202-3.203 ms (one artifact, alternating); `bench_layer.py --preset llama-3-8b --quantization fp8` 90.8-90.9 ->
+# 90.1-90.3 us a layer, bf16 157.4 -> 157.3 (seventeenth session: 4 programs a multiprocessor, o and down only, lost).
 GEMV_ONE_WAVE = 8
 
 
