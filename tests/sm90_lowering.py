@@ -200,7 +200,7 @@ loop_ptx.append(build(gemm._skinny_mm_kernel, bf16_gemm, bf16_loop, num_warps=2)
 for ptx in loop_ptx:
     assert ptx.count("griddepcontrol.launch_dependents") == 1
     assert 0 <= ptx.rfind("cp.async.commit_group") < ptx.find("griddepcontrol.launch_dependents")
-# unless its programs are one wave: then at its wait, before its first
+# unless its programs are one wave: then at its wait, before it asks for its first weight tile
 one_wave = build(gemm._skinny_mm_kernel, fp8_weight, {**gated_loop, "ONE_WAVE": True}, num_warps=2)
 assert one_wave.count("griddepcontrol.launch_dependents") == 1
 assert one_wave.find("griddepcontrol.wait") < one_wave.find("griddepcontrol.launch_dependents")

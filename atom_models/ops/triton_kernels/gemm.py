@@ -682,7 +682,8 @@ def run_skinny_mm(
             WEIGHT_FIRST=weight_first,
             ONE_TRIP=weight_first and config.max_registers is not None,  # a capped weight-first config: its one tile
             GATED=gated,
-            ONE_WAVE=n_tiles * split_k <= GEMV_ONE_WAVE * _multiprocessors(x.device),
+            ONE_WAVE=not (weight_first or config.dot)
+            and n_tiles * split_k <= GEMV_ONE_WAVE * _multiprocessors(x.device),
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl_launch(x.device),
