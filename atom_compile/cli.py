@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-num-seqs", type=int, default=256)
     export.add_argument("--quantization", default=None, choices=["fp8"], help="quantize weights online")
     export.add_argument(
+        "--quantization-exclude",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="layers --quantization leaves unquantized: fnmatch globs ('model.layers.0.*'), 're:' regexes or names",
+    )
+    export.add_argument(
         "--weights",
         default="reference",
         choices=WEIGHT_MODES,
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs,
                 quantization=args.quantization,
+                quantization_exclude=tuple(args.quantization_exclude),
                 weights=args.weights,
                 load_dummy=args.load_dummy,
                 backend=args.backend,

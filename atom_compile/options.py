@@ -20,6 +20,8 @@ class ExportOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     quantization: str | None = None
+    # layer-name patterns (fnmatch glob, "re:" regex, or a name or dotted suffix) `quantization` leaves unquantized
+    quantization_exclude: tuple[str, ...] = ()
     # "reference": the checkpoint, verified by fingerprint; "copy": the (packed, possibly quantized) weights
     # written into the artifact; "dummy": random weights at load (benchmarks without a checkpoint)
     weights: str = "reference"
@@ -35,3 +37,5 @@ class ExportOptions:
             self.weights = "dummy"
         if self.weights == "dummy":
             self.load_dummy = True
+        if self.quantization_exclude and self.quantization is None:
+            raise ValueError("quantization_exclude (--quantization-exclude) needs quantization (--quantization fp8)")

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import atom_compile as ac
+from atom_compile.cli import main as compile_cli
 from atom_compile.export import ExportOptions, trace_model_dir
 from atom_compile.passes import run_passes
 from atom_compile.reference import prompt_step
@@ -277,6 +278,36 @@ def test_artifact_generates_like_dequantized_hf(which, request, tmp_path):
         finally:
             llm.shutdown()
         assert agreement >= AGREEMENT, (kv_cache_dtype, agreement)
+
+
+def test_online_fp8_leaves_excluded_layers_unquantized(tiny_llama, tmp_path, capsys):
+    """`--quantization fp8 --quantization-exclude 'model.layers.0.*'`: the first layer's projections stay in the
+    model dtype (the FP8 accuracy study's recipe for 97% top-1), the manifest records the exclusion and the served
+    model is built with it. Exclusions without --quantization, or matching no projection, are refused."""
+    base = ["export", str(tiny_llama), "--device", "cpu", "--level", "0", "--dtype", "float32"]
+    artifact = tmp_path / "artifact"
+    fp8 = [*base, "-o", str(artifact), "--quantization", "fp8"]
+    assert compile_cli([*fp8, "--quantization-exclude", "model.layers.0.*"]) == 0
+    assert "4 of 8 projections left unquantized (model.layers.0.*)" in capsys.readouterr().err
+    assert "model.layers.0.*" in json.loads((artifact / "manifest.json").read_text())["quantization"]["exclude"]
+    llm = LLM(artifact, max_model_len=64)
+    try:
+        weights = llm.engine.core.runner.model.forward.weights  # the artifact's, built from its manifest
+        projections = {name: w.dtype == FP8_DTYPE for name, w in weights.items() if name.endswith("proj.weight")}
+        assert len(projections) == 8
+        assert all(fp8 != name.startswith("model.layers.0.") for name, fp8 in projections.items())
+        out = llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+    typo = ["--quantization", "fp8", "--quantization-exclude", "model.layer.0.*"]
+    for output, edit, error in [
+        (tmp_path / "b", ["--quantization-exclude", "model.layers.0.*"], "needs quantization"),
+        (tmp_path / "c", typo, "matches no projection"),
+    ]:
+        assert compile_cli([*base, "-o", str(output), *edit]) == 2
+        assert error in capsys.readouterr().err
+        assert not output.exists()
 
 
 @pytest.mark.slow
