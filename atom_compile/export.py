@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig
 
 from atom_compile import artifact
 from atom_compile.graphs.codegen import graph_source
@@ -38,12 +39,15 @@ def _say(message: str) -> None:
     print(f"[atom-compile] {message}", file=sys.stderr, flush=True)
 
 
-def online_quantization(config, options: ExportOptions) -> QuantizationConfig | str | None:
+def online_quantization(config: PretrainedConfig, options: ExportOptions) -> QuantizationConfig | str | None:
     """`options.quantization`, with its exclusions: layers left in the model dtype (as a checkpoint's `ignore` list)."""
     if not options.quantization_exclude:
         return options.quantization
     if getattr(config, "quantization_config", None) is not None:
-        raise ValueError("quantization_exclude applies to quantizing an unquantized checkpoint; this one is quantized")
+        raise ValueError(
+            "quantization_exclude applies to quantizing an unquantized checkpoint; this one is quantized (its "
+            "quantization_config's ignore list says what stays unquantized)"
+        )
     online = QuantizationConfig.resolve(config, options.quantization)
     return dataclasses.replace(online, exclude=[*online.exclude, *options.quantization_exclude])
 

@@ -280,10 +280,11 @@ def test_artifact_generates_like_dequantized_hf(which, request, tmp_path):
         assert agreement >= AGREEMENT, (kv_cache_dtype, agreement)
 
 
-def test_online_fp8_leaves_excluded_layers_unquantized(tiny_llama, tmp_path, capsys):
+def test_online_fp8_leaves_excluded_layers_unquantized(tiny_llama, block_llama, tmp_path, capsys):
     """`--quantization fp8 --quantization-exclude 'model.layers.0.*'`: the first layer's projections stay in the
     model dtype (the FP8 accuracy study's recipe for 97% top-1), the manifest records the exclusion and the served
-    model is built with it. Exclusions without --quantization, or matching no projection, are refused."""
+    model is built with it. Exclusions without --quantization, matching no projection, or for a checkpoint that is
+    quantized already (its own ignore list decides), are refused."""
     base = ["export", str(tiny_llama), "--device", "cpu", "--level", "0", "--dtype", "float32"]
     artifact = tmp_path / "artifact"
     fp8 = [*base, "-o", str(artifact), "--quantization", "fp8"]
@@ -308,6 +309,9 @@ def test_online_fp8_leaves_excluded_layers_unquantized(tiny_llama, tmp_path, cap
         assert compile_cli([*base, "-o", str(output), *edit]) == 2
         assert error in capsys.readouterr().err
         assert not output.exists()
+    quantized = ["export", str(block_llama), "-o", str(tmp_path / "d"), "--device", "cpu", "--quantization", "fp8"]
+    assert compile_cli([*quantized, "--quantization-exclude", "model.layers.0.*"]) == 2
+    assert "this one is quantized" in capsys.readouterr().err
 
 
 @pytest.mark.slow
