@@ -30,10 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--quantization", default=None, choices=["fp8"], help="quantize weights online")
     export.add_argument(
         "--quantization-exclude",
-        nargs="+",
+        action="append",
         default=[],
         metavar="PATTERN",
-        help="layers --quantization leaves unquantized: fnmatch globs ('model.layers.0.*'), 're:' regexes or names",
+        help="a layer --quantization leaves unquantized (repeatable): fnmatch glob ('model.layers.0.*'), 're:' regex "
+        "or name",
     )
     export.add_argument(
         "--weights",
