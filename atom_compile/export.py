@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import sys
@@ -15,7 +14,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig
 
 from atom_compile import artifact
 from atom_compile.graphs.codegen import graph_source
@@ -30,7 +28,6 @@ from atom_models import load_config, resolve_device, resolve_dtype
 from atom_models.layers.linear import Linear
 from atom_models.loader import build_model, checkpoint_files, fill_dummy_weights, load_weights
 from atom_models.ops import available_backends, default_backend, use_backend
-from atom_models.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,33 +36,17 @@ def _say(message: str) -> None:
     print(f"[atom-compile] {message}", file=sys.stderr, flush=True)
 
 
-def online_quantization(config: PretrainedConfig, options: ExportOptions) -> QuantizationConfig | str | None:
-    """`options.quantization`, with its exclusions: layers left in the model dtype (as a checkpoint's `ignore` list)."""
-    if not options.quantization_exclude:
-        return options.quantization
-    if getattr(config, "quantization_config", None) is not None:
-        raise ValueError(
-            "quantization_exclude applies to quantizing an unquantized checkpoint; this one is quantized (its "
-            "quantization_config's ignore list says what stays unquantized)"
-        )
-    online = QuantizationConfig.resolve(config, options.quantization)
-    return dataclasses.replace(online, exclude=[*online.exclude, *options.quantization_exclude])
-
-
 def trace_model_dir(model_dir: str | Path, options: ExportOptions) -> tuple[torch.nn.Module, TracedModel]:
     """Build the model on the export device with its weights, and trace it."""
     device = resolve_device(options.device)
     config = load_config(model_dir)
     _say(f"loading {model_dir} on {device}")
     dtype = resolve_dtype(options.dtype, config)
-    model = build_model(config, dtype, device, online_quantization(config, options))
+    model = build_model(config, dtype, device, options.quantization, options.quantization_exclude)
     if options.quantization_exclude:
         linears = [module for module in model.modules() if isinstance(module, Linear)]
         kept = sum(module.quant is None for module in linears)
-        patterns = ", ".join(options.quantization_exclude)
-        if not kept:
-            raise ValueError(f"quantization_exclude ({patterns}) matches no projection of the model")
-        _say(f"{kept} of {len(linears)} projections left unquantized ({patterns})")
+        _say(f"{kept} of {len(linears)} projections left unquantized ({', '.join(options.quantization_exclude)})")
     if options.load_dummy:
         fill_dummy_weights(model)
     else:

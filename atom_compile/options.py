@@ -37,5 +37,3 @@ class ExportOptions:
             self.weights = "dummy"
         if self.weights == "dummy":
             self.load_dummy = True
-        if self.quantization_exclude and self.quantization is None:
-            raise ValueError("quantization_exclude (--quantization-exclude) needs quantization (--quantization fp8)")

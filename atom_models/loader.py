@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from atom_models.layers import Linear
-from atom_models.quantization import QuantizationConfig
+from atom_models.quantization import QuantConfigError, QuantizationConfig
 from atom_models.registry import model_class_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,14 +94,19 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     quant: QuantizationConfig | dict | str | None = None,
+    quant_exclude: Sequence[str] = (),
 ) -> nn.Module:
     """The model with uninitialised weights, allocated directly on `device`.
 
-    `quant`: see `QuantizationConfig.resolve` (a checkpoint's own quantization_config always applies).
+    `quant`, `quant_exclude`: see `QuantizationConfig.resolve` (a checkpoint's own quantization_config always
+    applies); exclusions that leave every projection quantized are refused as a mistake (a misspelt name).
     """
-    quant_config = QuantizationConfig.resolve(config, quant)
+    quant_config = QuantizationConfig.resolve(config, quant, quant_exclude)
     with default_dtype_and_device(dtype, device):
-        return model_class_for(config)(config, quant=quant_config).eval()
+        model = model_class_for(config)(config, quant=quant_config).eval()
+    if quant_exclude and all(m.quant is not None for m in model.modules() if isinstance(m, Linear)):
+        raise QuantConfigError(f"--quantization-exclude {' '.join(quant_exclude)} matches no projection of the model")
+    return model
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

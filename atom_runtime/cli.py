@@ -5,7 +5,7 @@
 
 MODEL is a model directory (or a compiled artifact directory); it goes to `create_engine` as is.
 Without MODEL, the demo model shipped with atom runs, from an artifact exported once and cached
-(`atom_runtime.default_model`); --device, --dtype and --quantization then choose that export.
+(`atom_runtime.default_model`); --device, --dtype, --quantization and --quantization-exclude choose that export.
 Bad input is a one-line error and exit status 2, never a traceback.
 """
 
@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         from atom_runtime.server.api_server import run_server
 
         if args.model is None:
-            args.model = default_artifact(args.device, args.dtype, args.quantization)
+            args.model = default_artifact(args.device, args.dtype, args.quantization, args.quantization_exclude)
             args.device, args.dtype, args.quantization = "auto", "auto", None  # fixed by that export
+            args.quantization_exclude = []
             if args.command == "serve":
                 args.served_model_name = args.served_model_name or DEMO_NAME
         if args.command == "serve":

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,7 +34,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atom"
 
 
-def artifact_key(device: torch.device, dtype: str, quantization: str | None) -> dict:
+def artifact_key(
+    device: torch.device, dtype: str, quantization: str | None, quantization_exclude: Sequence[str] = ()
+) -> dict:
     """The fields that decide whether a cached artifact of the demo model can serve here."""
     return {
         **artifact.environment(device),
@@ -41,14 +44,17 @@ def artifact_key(device: torch.device, dtype: str, quantization: str | None) -> 
         "ops_backend": default_backend(device),
         "dtype": dtype,
         "quantization": quantization,
+        **({"quantization_exclude": list(quantization_exclude)} if quantization_exclude else {}),
         "model": {name: artifact.file_digest(DEMO_DIR / name) for name in ("config.json", "model.safetensors")},
     }
 
 
-def default_artifact(device: str = "auto", dtype: str = "auto", quantization: str | None = None) -> Path:
+def default_artifact(
+    device: str = "auto", dtype: str = "auto", quantization: str | None = None, quantization_exclude: Sequence[str] = ()
+) -> Path:
     """The demo model's artifact for this machine: from the cache, or exported into it first."""
     target = resolve_device(device)
-    key = artifact_key(target, dtype, quantization)
+    key = artifact_key(target, dtype, quantization, quantization_exclude)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / f"{DEMO_NAME}-{target.type}-{digest}"
     if atom_compile.is_artifact(path):
@@ -56,5 +62,13 @@ def default_artifact(device: str = "auto", dtype: str = "auto", quantization: st
     print(f"[atom-run] exporting the demo model for {target} into {path} (once per machine)", file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Weights copied in: the cached artifact stays valid wherever atom is installed later.
-    atom_compile.export(DEMO_DIR, path, device=str(target), dtype=dtype, quantization=quantization, weights="copy")
+    atom_compile.export(
+        DEMO_DIR,
+        path,
+        device=str(target),
+        dtype=dtype,
+        quantization=quantization,
+        quantization_exclude=tuple(quantization_exclude),
+        weights="copy",
+    )
     return path

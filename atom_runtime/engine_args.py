@@ -40,6 +40,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")
     group.add_argument("--quantization", choices=["fp8"], default=None, help="quantize an HF model's weights online")
     group.add_argument(
+        "--quantization-exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="a layer --quantization leaves unquantized (repeatable): fnmatch glob ('model.layers.0.*'), 're:' regex "
+        "or name",
+    )
+    group.add_argument(
         "--rebuild", action="store_true", help="re-export an artifact that does not fit this machine instead of failing"
     )
     group.add_argument(
@@ -119,6 +127,7 @@ def create_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         load_dummy=args.load_dummy,
         quantization=args.quantization,
+        quantization_exclude=tuple(args.quantization_exclude),
         rebuild=args.rebuild,
         config=config,
     )

@@ -30,6 +30,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
         quantization: str | None = None,
+        quantization_exclude: Sequence[str] = (),
         load_dummy: bool = False,
         **engine_args,
     ):
@@ -38,6 +39,7 @@ class LLM:
             dtype=dtype,
             device=device,
             quantization=quantization,
+            quantization_exclude=quantization_exclude,
             load_dummy=load_dummy,
             config=EngineConfig(**engine_args),
         )

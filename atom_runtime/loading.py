@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,11 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 def load_hf_model(
-    model_dir: str | Path, dtype: str | torch.dtype, device: torch.device, quant: str | None, load_dummy: bool
+    model_dir: str | Path,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    quant: str | None,
+    load_dummy: bool,
+    quant_exclude: Sequence[str] = (),
 ) -> LoadedModel:
     config = load_config(model_dir)
     set_backend(default_backend(device))
-    model = build_model(config, resolve_dtype(dtype, config), device, quant)
+    model = build_model(config, resolve_dtype(dtype, config), device, quant, quant_exclude)
     if load_dummy:
         fill_dummy_weights(model)
     else:
@@ -36,7 +42,13 @@ def load_hf_model(
 
 
 def _refuse_overrides(path, **given) -> None:
-    defaults = {"dtype": "auto", "device": "auto", "quantization": None, "load_dummy": False}
+    defaults = {
+        "dtype": "auto",
+        "device": "auto",
+        "quantization": None,
+        "quantization_exclude": (),
+        "load_dummy": False,
+    }
     changed = [name for name, value in given.items() if value != defaults[name] and str(value) != defaults[name]]
     if changed:
         raise ValueError(
@@ -73,6 +85,7 @@ def create_core(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     quantization: str | None = None,
+    quantization_exclude: Sequence[str] = (),
     load_dummy: bool = False,
     rebuild: bool = False,
     config: EngineConfig | None = None,
@@ -80,12 +93,19 @@ def create_core(
     """The engine core over an artifact or HF model directory, and the model's tokenizer."""
     config = config or EngineConfig()
     if is_artifact(model):
-        _refuse_overrides(model, dtype=dtype, device=device, quantization=quantization, load_dummy=load_dummy)
+        _refuse_overrides(
+            model,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            quantization_exclude=tuple(quantization_exclude),
+            load_dummy=load_dummy,
+        )
         loaded, manifest = load_compiled_model(model, rebuild)
         if config.max_model_len is None:
             config.max_model_len = manifest["max_model_len"]
     else:
-        loaded = load_hf_model(model, dtype, resolve_device(device), quantization, load_dummy)
+        loaded = load_hf_model(model, dtype, resolve_device(device), quantization, load_dummy, quantization_exclude)
     context = loaded.config.max_position_embeddings
     if config.max_model_len is None:
         config.max_model_len = context

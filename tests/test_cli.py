@@ -170,7 +170,7 @@ def test_engine_flags_cover_engine_config(tiny_llama):
         + ["--cpu-kvcache-space-gib", "0.25", "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8"]
         + ["--max-logprobs", "5", "--enforce-eager", "--seed", "9", "--dtype", "float32", "--device", "cpu"]
         + ["--load-dummy", "--quantization", "fp8", "--rebuild", "--cudagraph-mode", "none"]
-        + ["--cudagraph-capture-sizes", "[1,2,4]"]
+        + ["--cudagraph-capture-sizes", "[1,2,4]", "--quantization-exclude", "a.*", "--quantization-exclude", "re:b"]
     )
     kwargs = create_engine_kwargs(args)
     assert kwargs["config"] == EngineConfig(
@@ -190,7 +190,12 @@ def test_engine_flags_cover_engine_config(tiny_llama):
         seed=9,
     )
     assert {k: v for k, v in kwargs.items() if k != "config"} == dict(
-        dtype="float32", device="cpu", load_dummy=True, quantization="fp8", rebuild=True
+        dtype="float32",
+        device="cpu",
+        load_dummy=True,
+        quantization="fp8",
+        quantization_exclude=("a.*", "re:b"),
+        rebuild=True,
     )
     defaults = create_engine_kwargs(build_parser().parse_args(["serve", str(tiny_llama)]))["config"]
     assert defaults == EngineConfig()

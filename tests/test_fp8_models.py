@@ -9,6 +9,8 @@ noise alone flips a third of their greedy tokens (see `AGREEMENT`).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import shutil
 
@@ -30,6 +32,8 @@ from atom_models.ops.quant import FP8_DTYPE, dequantize_weight
 from atom_models.quantization import LayerQuantConfig, QuantizationConfig
 from atom_models.quantization.checkpoint import dequantized_state_dict, write_fp8_checkpoint
 from atom_runtime import LLM, SamplingParams
+from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
+from atom_runtime.loading import create_core
 from tests.test_passes import ops
 
 TINY = dict(
@@ -303,7 +307,7 @@ def test_online_fp8_leaves_excluded_layers_unquantized(tiny_llama, block_llama, 
         llm.shutdown()
     typo = ["--quantization", "fp8", "--quantization-exclude", "model.layer.0.*"]
     for output, edit, error in [
-        (tmp_path / "b", ["--quantization-exclude", "model.layers.0.*"], "needs quantization"),
+        (tmp_path / "b", ["--quantization-exclude", "model.layers.0.*"], "needs --quantization fp8"),
         (tmp_path / "c", typo, "matches no projection"),
     ]:
         assert compile_cli([*base, "-o", str(output), *edit]) == 2
@@ -312,6 +316,19 @@ def test_online_fp8_leaves_excluded_layers_unquantized(tiny_llama, block_llama, 
     quantized = ["export", str(block_llama), "-o", str(tmp_path / "d"), "--device", "cpu", "--quantization", "fp8"]
     assert compile_cli([*quantized, "--quantization-exclude", "model.layers.0.*"]) == 2
     assert "this one is quantized" in capsys.readouterr().err
+    # serving an HF directory takes the flag too (`atom-run serve DIR --quantization fp8 --quantization-exclude ...`)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = ["--quantization", "fp8", "--quantization-exclude", "model.layers.0.*", "--device", "cpu"]
+    engine_kwargs = create_engine_kwargs(parser.parse_args([*flags, "--dtype", "float32"]))
+    assert engine_kwargs["quantization_exclude"] == ("model.layers.0.*",)
+    config = engine_kwargs.pop("config")
+    core, _ = create_core(tiny_llama, **engine_kwargs, config=dataclasses.replace(config, max_model_len=64))
+    modules = core.runner.model.forward.named_modules()
+    fp8_weights = {name: m.weight.dtype == FP8_DTYPE for name, m in modules if isinstance(m, Linear)}
+    assert len(fp8_weights) == 8 and all(fp8 != name.startswith("model.layers.0.") for name, fp8 in fp8_weights.items())
+    with pytest.raises(ValueError, match="quantization_exclude were fixed at export"):
+        create_core(artifact, quantization_exclude=("model.layers.1.*",))
 
 
 @pytest.mark.slow

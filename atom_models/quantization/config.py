@@ -102,10 +102,11 @@ class QuantizationConfig:
         weights: str = "per_channel",
         activations: str = "dynamic_per_token",
         block_size: tuple[int, int] | None = None,
+        exclude: Sequence[str] = (),
     ) -> QuantizationConfig:
         """`--quantization fp8` (per-channel weights, per-token activations): an unquantized checkpoint
-        quantized as it loads; the other schemes serve accuracy studies."""
-        return cls("fp8-online", LayerQuantConfig(weights, activations, block_size, online=True))
+        quantized as it loads, but for the layers `exclude` names; the other schemes serve accuracy studies."""
+        return cls("fp8-online", LayerQuantConfig(weights, activations, block_size, online=True), exclude=list(exclude))
 
     @classmethod
     def from_hf(cls, hf_quant_config: dict) -> QuantizationConfig:
@@ -135,12 +136,13 @@ class QuantizationConfig:
 
     @classmethod
     def resolve(
-        cls, hf_config: PretrainedConfig, quant: QuantizationConfig | dict | str | None
+        cls, hf_config: PretrainedConfig, quant: QuantizationConfig | dict | str | None, exclude: Sequence[str] = ()
     ) -> QuantizationConfig | None:
         """The config a model is built with.
 
         A checkpoint's own `quantization_config` is always honoured (asking for "fp8" on an
-        FP8 checkpoint changes nothing); "fp8" on an unquantized one quantizes it online; a dict
+        FP8 checkpoint changes nothing); "fp8" on an unquantized one quantizes it online, but for the layers
+        `exclude` names (patterns, as a checkpoint's `ignore` list: `--quantization-exclude`); a dict
         is a manifest's record; None leaves an unquantized checkpoint unquantized.
         """
         if isinstance(quant, QuantizationConfig):
@@ -150,9 +152,16 @@ class QuantizationConfig:
         if quant not in (None, "fp8"):
             raise QuantConfigError(f"unknown quantization {quant!r}; supported: fp8")
         hf_quant = getattr(hf_config, "quantization_config", None)
+        if exclude and (quant is None or hf_quant is not None):
+            raise QuantConfigError(
+                "--quantization-exclude needs --quantization fp8"
+                if hf_quant is None
+                else "--quantization-exclude applies to quantizing an unquantized checkpoint; this one is quantized "
+                "(its quantization_config's ignore list says what stays unquantized)"
+            )
         if hf_quant is not None:
             return cls.from_hf(hf_quant)
-        return cls.online_fp8() if quant == "fp8" else None
+        return cls.online_fp8(exclude=exclude) if quant == "fp8" else None
 
     # ---- queries --------------------------------------------------------------------------
 
