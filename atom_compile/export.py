@@ -25,8 +25,7 @@ from atom_compile.options import ExportOptions
 from atom_compile.passes import resolve_pipeline, run_passes
 from atom_compile.trace import TracedModel, trace_model
 from atom_models import load_config, resolve_device, resolve_dtype
-from atom_models.layers.linear import Linear
-from atom_models.loader import build_model, checkpoint_files, fill_dummy_weights, load_weights
+from atom_models.loader import build_model, checkpoint_files, fill_dummy_weights, load_weights, projections
 from atom_models.ops import available_backends, default_backend, use_backend
 
 logger = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ def trace_model_dir(model_dir: str | Path, options: ExportOptions) -> tuple[torc
     dtype = resolve_dtype(options.dtype, config)
     model = build_model(config, dtype, device, options.quantization, options.quantization_exclude)
     if options.quantization_exclude:
-        linears = [module for module in model.modules() if isinstance(module, Linear)]
+        linears = projections(model)
         kept = sum(module.quant is None for module in linears)
         _say(f"{kept} of {len(linears)} projections left unquantized ({', '.join(options.quantization_exclude)})")
     if options.load_dummy:

@@ -25,6 +25,10 @@ from atom_models.layers import (
 )
 from atom_models.quantization import LayerQuantConfig, QuantizationConfig
 
+# The checkpoint modules our packed projections hold.
+QKV_SOURCES = ("q_proj", "k_proj", "v_proj")
+GATE_UP_SOURCES = ("gate_proj", "up_proj")
+
 
 def linear_quant(
     quant: QuantizationConfig | None, prefix: str, packed_from: tuple[str, ...] = ()
@@ -66,8 +70,9 @@ class LlamaAttention(nn.Module):
             [self.q_size, self.kv_size, self.kv_size],
             bias=bias,
             shard_ids=["q", "k", "v"],
-            quant=linear_quant(quant, f"{prefix}.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            quant=linear_quant(quant, f"{prefix}.qkv_proj", QKV_SOURCES),
             prefix=f"{prefix}.qkv_proj",
+            packed_from=QKV_SOURCES,
         )
         self.o_proj = Linear(
             self.q_size,
@@ -107,8 +112,9 @@ class LlamaMLP(nn.Module):
             [size, size],
             bias=bias,
             shard_ids=[0, 1],
-            quant=linear_quant(quant, f"{prefix}.gate_up_proj", ("gate_proj", "up_proj")),
+            quant=linear_quant(quant, f"{prefix}.gate_up_proj", GATE_UP_SOURCES),
             prefix=f"{prefix}.gate_up_proj",
+            packed_from=GATE_UP_SOURCES,
         )
         self.down_proj = Linear(
             size,

@@ -15,6 +15,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from atom_models.layers import Linear
 from atom_models.quantization import QuantConfigError, QuantizationConfig
+from atom_models.quantization.config import checkpoint_names, matches
 from atom_models.registry import model_class_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,9 +105,16 @@ def build_model(
     quant_config = QuantizationConfig.resolve(config, quant, quant_exclude)
     with default_dtype_and_device(dtype, device):
         model = model_class_for(config)(config, quant=quant_config).eval()
-    if quant_exclude and all(m.quant is not None for m in model.modules() if isinstance(m, Linear)):
-        raise QuantConfigError(f"--quantization-exclude {' '.join(quant_exclude)} matches no projection of the model")
+    names = {name for m in projections(model) for name in (m.prefix, *checkpoint_names(m.prefix, m.packed_from))}
+    unmatched = [pattern for pattern in quant_exclude if not any(matches(pattern, name) for name in names)]
+    if unmatched:
+        raise QuantConfigError(f"--quantization-exclude {', '.join(map(repr, unmatched))}: no projection of the model")
     return model
+
+
+def projections(model: nn.Module) -> list[Linear]:
+    """The model's linear layers (quantized or not; the LM head is not one)."""
+    return [module for module in model.modules() if isinstance(module, Linear)]
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

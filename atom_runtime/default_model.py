@@ -44,7 +44,7 @@ def artifact_key(
         "ops_backend": default_backend(device),
         "dtype": dtype,
         "quantization": quantization,
-        **({"quantization_exclude": list(quantization_exclude)} if quantization_exclude else {}),
+        **({"quantization_exclude": sorted(set(quantization_exclude))} if quantization_exclude else {}),
         "model": {name: artifact.file_digest(DEMO_DIR / name) for name in ("config.json", "model.safetensors")},
     }
 

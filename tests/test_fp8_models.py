@@ -10,7 +10,6 @@ noise alone flips a third of their greedy tokens (see `AGREEMENT`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 
@@ -284,51 +283,65 @@ def test_artifact_generates_like_dequantized_hf(which, request, tmp_path):
         assert agreement >= AGREEMENT, (kv_cache_dtype, agreement)
 
 
+def fp8_projections(named_weights) -> dict[str, bool]:
+    """Projection weight name -> whether it is FP8."""
+    return {name: w.dtype == FP8_DTYPE for name, w in named_weights if name.endswith("proj.weight")}
+
+
 def test_online_fp8_leaves_excluded_layers_unquantized(tiny_llama, block_llama, tmp_path, capsys):
     """`--quantization fp8 --quantization-exclude 'model.layers.0.*'`: the first layer's projections stay in the
     model dtype (the FP8 accuracy study's recipe for 97% top-1), the manifest records the exclusion and the served
-    model is built with it. Exclusions without --quantization, matching no projection, or for a checkpoint that is
-    quantized already (its own ignore list decides), are refused."""
+    model is built with it. Refused with a one-line error, nothing written: without --quantization, a pattern that
+    names no projection (even beside one that does), a bad regex, half of a packed projection, and a checkpoint
+    that is quantized already (its own ignore list decides)."""
     base = ["export", str(tiny_llama), "--device", "cpu", "--level", "0", "--dtype", "float32"]
     artifact = tmp_path / "artifact"
-    fp8 = [*base, "-o", str(artifact), "--quantization", "fp8"]
-    assert compile_cli([*fp8, "--quantization-exclude", "model.layers.0.*"]) == 0
+    exported = [*base, "-o", str(artifact), "--quantization", "fp8", "--quantization-exclude", "model.layers.0.*"]
+    assert compile_cli(exported) == 0
     assert "4 of 8 projections left unquantized (model.layers.0.*)" in capsys.readouterr().err
     assert "model.layers.0.*" in json.loads((artifact / "manifest.json").read_text())["quantization"]["exclude"]
     llm = LLM(artifact, max_model_len=64)
     try:
-        weights = llm.engine.core.runner.model.forward.weights  # the artifact's, built from its manifest
-        projections = {name: w.dtype == FP8_DTYPE for name, w in weights.items() if name.endswith("proj.weight")}
-        assert len(projections) == 8
-        assert all(fp8 != name.startswith("model.layers.0.") for name, fp8 in projections.items())
+        fp8 = fp8_projections(llm.engine.core.runner.model.forward.weights.items())  # built from the manifest
+        assert len(fp8) == 8 and all(quantized != name.startswith("model.layers.0.") for name, quantized in fp8.items())
         out = llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
+        with pytest.raises(ValueError, match="quantization_exclude were fixed at export"):
+            create_core(artifact, quantization_exclude=("model.layers.1.*",))
     finally:
         llm.shutdown()
-    typo = ["--quantization", "fp8", "--quantization-exclude", "model.layer.0.*"]
-    for output, edit, error in [
-        (tmp_path / "b", ["--quantization-exclude", "model.layers.0.*"], "needs --quantization fp8"),
-        (tmp_path / "c", typo, "matches no projection"),
-    ]:
-        assert compile_cli([*base, "-o", str(output), *edit]) == 2
+    excluding = lambda *patterns: ["--quantization", "fp8", *(f"--quantization-exclude={p}" for p in patterns)]
+    for i, (edit, error) in enumerate(
+        [
+            (["--quantization-exclude", "model.layers.0.*"], "needs --quantization fp8"),
+            (excluding("model.layers.0.*", "model.layer.1.*"), "'model.layer.1.*': no projection of the model"),
+            (excluding("re:model.layers.[0"), "'re:model.layers.[0' is not a regular expression"),
+            (excluding("*.q_proj"), "exclude all of them, or qkv_proj itself"),
+        ]
+    ):
+        assert compile_cli([*base, "-o", str(tmp_path / str(i)), *edit]) == 2
         assert error in capsys.readouterr().err
-        assert not output.exists()
-    quantized = ["export", str(block_llama), "-o", str(tmp_path / "d"), "--device", "cpu", "--quantization", "fp8"]
-    assert compile_cli([*quantized, "--quantization-exclude", "model.layers.0.*"]) == 2
+        assert not (tmp_path / str(i)).exists()
+    quantized = ["export", str(block_llama), "-o", str(tmp_path / "q"), "--device", "cpu", *excluding("lm_head")]
+    assert compile_cli(quantized) == 2
     assert "this one is quantized" in capsys.readouterr().err
-    # serving an HF directory takes the flag too (`atom-run serve DIR --quantization fp8 --quantization-exclude ...`)
+
+
+def test_served_hf_model_leaves_excluded_layers_unquantized(tiny_llama):
+    """`atom-run serve DIR --quantization fp8 --quantization-exclude ...` on an HF directory (eager): a packed
+    projection excluded by our name for it (qkv_proj) as well as by its checkpoint modules' names."""
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    flags = ["--quantization", "fp8", "--quantization-exclude", "model.layers.0.*", "--device", "cpu"]
-    engine_kwargs = create_engine_kwargs(parser.parse_args([*flags, "--dtype", "float32"]))
-    assert engine_kwargs["quantization_exclude"] == ("model.layers.0.*",)
-    config = engine_kwargs.pop("config")
-    core, _ = create_core(tiny_llama, **engine_kwargs, config=dataclasses.replace(config, max_model_len=64))
-    modules = core.runner.model.forward.named_modules()
-    fp8_weights = {name: m.weight.dtype == FP8_DTYPE for name, m in modules if isinstance(m, Linear)}
-    assert len(fp8_weights) == 8 and all(fp8 != name.startswith("model.layers.0.") for name, fp8 in fp8_weights.items())
-    with pytest.raises(ValueError, match="quantization_exclude were fixed at export"):
-        create_core(artifact, quantization_exclude=("model.layers.1.*",))
+    flags = ["--quantization", "fp8", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64"]
+    exclude = ["--quantization-exclude", "*.qkv_proj", "--quantization-exclude", "re:.*layers\\.1\\.mlp\\.(gate|up)"]
+    engine_kwargs = create_engine_kwargs(parser.parse_args([*flags, *exclude]))
+    assert engine_kwargs["quantization_exclude"] == ("*.qkv_proj", "re:.*layers\\.1\\.mlp\\.(gate|up)")
+    core, _ = create_core(tiny_llama, **engine_kwargs)
+    fp8 = fp8_projections(core.runner.model.forward.named_parameters())
+    unquantized = {name for name, quantized in fp8.items() if not quantized}
+    assert unquantized == {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in (0, 1)} | {
+        "model.layers.1.mlp.gate_up_proj.weight"
+    }
 
 
 @pytest.mark.slow

@@ -58,10 +58,13 @@ class Linear(nn.Module):
         shard_ids: Sequence[str | int] | None = None,
         quant: LayerQuantConfig | None = None,
         prefix: str = "",
+        packed_from: Sequence[str] = (),
     ):
-        """`prefix`: the layer's name in the model, for error messages."""
+        """`prefix`: the layer's name in the model, for error messages; `packed_from`: the checkpoint modules a packed
+        layer holds (q_proj, k_proj, v_proj), as `QuantizationConfig.linear` takes them."""
         super().__init__()
         self.prefix = prefix
+        self.packed_from = tuple(packed_from)
         self.in_features = in_features
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.out_features = sum(self.output_sizes)

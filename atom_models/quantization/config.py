@@ -106,6 +106,13 @@ class QuantizationConfig:
     ) -> QuantizationConfig:
         """`--quantization fp8` (per-channel weights, per-token activations): an unquantized checkpoint
         quantized as it loads, but for the layers `exclude` names; the other schemes serve accuracy studies."""
+        for pattern in exclude:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as error:
+                    message = f"--quantization-exclude {pattern!r} is not a regular expression: {error}"
+                    raise QuantConfigError(message) from None
         return cls("fp8-online", LayerQuantConfig(weights, activations, block_size, online=True), exclude=list(exclude))
 
     @classmethod
@@ -145,6 +152,8 @@ class QuantizationConfig:
         `exclude` names (patterns, as a checkpoint's `ignore` list: `--quantization-exclude`); a dict
         is a manifest's record; None leaves an unquantized checkpoint unquantized.
         """
+        if exclude and isinstance(quant, QuantizationConfig | dict):
+            raise QuantConfigError("exclusions go with a quantization name ('fp8'), not with a built config")
         if isinstance(quant, QuantizationConfig):
             return quant
         if isinstance(quant, dict):
@@ -175,13 +184,18 @@ class QuantizationConfig:
         return self.default
 
     def linear(self, prefix: str, packed_from: Sequence[str] = ()) -> LayerQuantConfig | None:
-        """The spec of our linear layer `prefix`; a packed one (qkv_proj) asks for each checkpoint module it packs."""
-        parent = prefix.rpartition(".")[0]
-        names = [f"{parent}.{source}" if parent else source for source in packed_from] or [prefix]
+        """The spec of our linear layer `prefix`; a packed one (qkv_proj) asks for each checkpoint module it packs,
+        unless an exclusion names it whole."""
+        if packed_from and any(matches(pattern, prefix) for pattern in self.exclude):
+            return None
+        names = checkpoint_names(prefix, packed_from)
         specs = {name: self.layer(name) for name in names}
         if len(set(specs.values())) > 1:
             found = "; ".join(f"{name}: {spec.describe() if spec else 'unquantized'}" for name, spec in specs.items())
-            raise QuantConfigError(f"{prefix} packs modules that the quantization config treats differently ({found})")
+            raise QuantConfigError(
+                f"{prefix} packs modules that the quantization config treats differently ({found}): exclude all of "
+                f"them, or {prefix.rpartition('.')[2]} itself"
+            )
         return specs[names[0]]
 
     def to_dict(self) -> dict:
@@ -194,6 +208,12 @@ class QuantizationConfig:
             "exclude": self.exclude,
             "kv_cache_scales": self.kv_cache_scales,
         }
+
+
+def checkpoint_names(prefix: str, packed_from: Sequence[str] = ()) -> list[str]:
+    """The checkpoint modules our linear layer `prefix` holds: itself, or the ones it packs (q_proj, k_proj, v_proj)."""
+    parent = prefix.rpartition(".")[0]
+    return [f"{parent}.{source}" if parent else source for source in packed_from] or [prefix]
 
 
 def matches(pattern: str, name: str) -> bool:

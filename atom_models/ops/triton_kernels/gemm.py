@@ -268,16 +268,17 @@ SKINNY_MAX_M = 64
 # 2-12 MB projections 2.7-3.9 us against 3.9-5.2 in the loop, H100, a272b27). Above it the pipelined loop: FP8
 # Llama-3-8B's o_proj (16.8 MB) took 13.8 us with its weight first (8 x 4096 tiles, 255 registers, 2 programs a
 # multiprocessor; ncu, H100) where qkv's 25 MB took 13.5 in the loop; with the limit here, batch 1 3.830 -> 3.650
-# ms (H100). The loop's launches use PDL too, but let the next kernel launch only after their loop
-# (`launch_next_kernel`): letting it launch at the start cost Llama-3-8B batch 1 5.867 -> 6.242 ms (its waiting
-# programs take the multiprocessors of later waves); after the loop, 5.787 -> 5.736, and FP8 3.659 -> 3.602 (H100,
-# 2026-11-26).
+# ms (H100). The loop's launches use PDL too, but a loop of several waves lets the next kernel launch only after its
+# loop (`launch_next_kernel`; one wave: GEMV_ONE_WAVE): letting it launch at the start cost Llama-3-8B batch 1 5.867
+# -> 6.242 ms (its waiting programs take the multiprocessors of later waves); after the loop, 5.787 -> 5.736, and
+# FP8 3.659 -> 3.602 (H100, 2026-11-26).
 GEMV_WEIGHT_FIRST_MAX_BYTES = 12 << 20
 # A pipelined GEMV of one wave (at most GEMV_ONE_WAVE programs a multiprocessor, all resident at once: Llama-3-8B's
 # qkv, o and down at 768 / 512 / 512 programs, not gate_up's 3584) leaves no later wave a multiprocessor to take,
 # so it lets the next kernel launch at its wait. H100, 2026-11-27: Llama-3-8B FP8 batch-1 step 3.277-3.280 ->
 # 3.202-3.203 ms (one artifact, alternating); `bench_layer.py --preset llama-3-8b --quantization fp8` 90.8-90.9 ->
-# 90.1-90.3 us a layer, bf16 157.4 -> 157.3 (seventeenth session: 4 programs a multiprocessor, o and down only, lost).
+# 90.1-90.3 us a layer, bf16 157.4 -> 157.3 (branch `gemv-early`, at 4 programs a multiprocessor, o and down only,
+# lost).
 GEMV_ONE_WAVE = 8
 
 
@@ -521,7 +522,7 @@ def _skinny_mm_kernel(
     # Llama-3-8B FP8 batch-1 step 3.315 -> 3.279 ms. (Multiplying the FP8 runs in f16x2 as well, 245 -> 210
     # instructions, gained 0.1 us more: the loop is no longer issue-bound; branch `gemv-f16`.)
     RUN: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth
-    RUNS: tl.constexpr = 1 if USE_DOT or WEIGHT_FIRST else BLOCK_K // RUN
+    RUNS: tl.constexpr = 1 if USE_DOT or WEIGHT_FIRST or BLOCK_K < RUN else BLOCK_K // RUN
     runs = tl.zeros([BLOCK_N, RUNS], dtype=tl.float32)
     store_sum = pid_n == 0  # one program writes the residual sum
     loop_start = 0 if ONE_TRIP else k_start
@@ -654,6 +655,7 @@ def run_skinny_mm(
         tickets = ticket_counters(x.device, n_tiles)
     if m:
         strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
+        pdl = pdl_launch(x.device)
         _skinny_mm_kernel[(n_tiles, split_k)](
             x,
             x_scale,
@@ -682,11 +684,13 @@ def run_skinny_mm(
             WEIGHT_FIRST=weight_first,
             ONE_TRIP=weight_first and config.max_registers is not None,  # a capped weight-first config: its one tile
             GATED=gated,
-            ONE_WAVE=not (weight_first or config.dot)
+            # where it changes anything: a pipelined GEMV under PDL
+            ONE_WAVE=pdl["USE_PDL"]
+            and not (weight_first or config.dot)
             and n_tiles * split_k <= GEMV_ONE_WAVE * _multiprocessors(x.device),
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
-            **pdl_launch(x.device),
+            **pdl,
         )
     return out.reshape(*x_q.shape[:-1], out.shape[1])
 
