@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PATTERN",
-        help="a layer --quantization leaves unquantized (repeatable): fnmatch glob ('model.layers.0.*'), 're:' regex "
-        "or name",
+        help="a layer --quantization leaves unquantized (repeatable): a checkpoint module's name, fnmatch glob "
+        "('model.layers.0.*') or 're:' regex; a packed projection by all its parts or by name (qkv_proj)",
     )
     export.add_argument(
         "--weights",

@@ -44,8 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PATTERN",
-        help="a layer --quantization leaves unquantized (repeatable): fnmatch glob ('model.layers.0.*'), 're:' regex "
-        "or name",
+        help="a layer --quantization leaves unquantized (repeatable): a checkpoint module's name, fnmatch glob "
+        "('model.layers.0.*') or 're:' regex; a packed projection by all its parts or by name (qkv_proj)",
     )
     group.add_argument(
         "--rebuild", action="store_true", help="re-export an artifact that does not fit this machine instead of failing"
