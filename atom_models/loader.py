@@ -100,7 +100,8 @@ def build_model(
     """The model with uninitialised weights, allocated directly on `device`.
 
     `quant`, `quant_exclude`: see `QuantizationConfig.resolve` (a checkpoint's own quantization_config always
-    applies); exclusions that leave every projection quantized are refused as a mistake (a misspelt name).
+    applies); an exclusion that names no projection of the model (ours or a checkpoint module it packs) is refused
+    as the mistake it is (a misspelt name).
     """
     quant_config = QuantizationConfig.resolve(config, quant, quant_exclude)
     with default_dtype_and_device(dtype, device):
