@@ -9,7 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from atom_compile.options import DTYPE_NAMES, LEVELS, WEIGHT_MODES, ExportOptions
+from atom_compile.options import DTYPE_NAMES, LEVELS, QUANTIZATION_EXCLUDE_FLAG, WEIGHT_MODES, ExportOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,14 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-model-len", type=int, default=None)
     export.add_argument("--max-num-seqs", type=int, default=256)
     export.add_argument("--quantization", default=None, choices=["fp8"], help="quantize weights online")
-    export.add_argument(
-        "--quantization-exclude",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="a layer --quantization leaves unquantized (repeatable): a checkpoint module's name, fnmatch glob "
-        "('model.layers.0.*') or 're:' regex; a packed projection by all its parts or by name (qkv_proj)",
-    )
+    export.add_argument("--quantization-exclude", **QUANTIZATION_EXCLUDE_FLAG)
     export.add_argument(
         "--weights",
         default="reference",

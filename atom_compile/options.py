@@ -9,6 +9,14 @@ from dataclasses import dataclass
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LEVELS = (0, 3)  # 0: pieces run as eager FX code; 3: pieces compiled by Inductor (ATOM's levels)
 WEIGHT_MODES = ("reference", "copy", "dummy")
+# `--quantization-exclude`, as both CLIs take it
+QUANTIZATION_EXCLUDE_FLAG = {
+    "action": "append",
+    "default": [],
+    "metavar": "PATTERN",
+    "help": "a layer --quantization leaves unquantized (repeatable): a checkpoint module's name, fnmatch glob "
+    "('model.layers.0.*') or 're:' regex; a packed projection by all its parts or by name (qkv_proj)",
+}
 
 
 @dataclass

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from atom_compile.options import DTYPE_NAMES
+from atom_compile.options import DTYPE_NAMES, QUANTIZATION_EXCLUDE_FLAG
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
 
 _DEFAULTS = EngineConfig()
@@ -39,14 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")
     group.add_argument("--quantization", choices=["fp8"], default=None, help="quantize an HF model's weights online")
-    group.add_argument(
-        "--quantization-exclude",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="a layer --quantization leaves unquantized (repeatable): a checkpoint module's name, fnmatch glob "
-        "('model.layers.0.*') or 're:' regex; a packed projection by all its parts or by name (qkv_proj)",
-    )
+    group.add_argument("--quantization-exclude", **QUANTIZATION_EXCLUDE_FLAG)
     group.add_argument(
         "--rebuild", action="store_true", help="re-export an artifact that does not fit this machine instead of failing"
     )
