@@ -82,11 +82,21 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-def trace(model_dir, *, device: str = "cpu", dtype: str = "auto", quantization: str | None = None) -> TracedModel:
+def trace(
+    model_dir,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    quantization: str | None = None,
+    quantization_exclude: tuple[str, ...] = (),
+) -> TracedModel:
     """The model in `model_dir` traced to one FX graph (no passes applied)."""
     from atom_compile.export import trace_model_dir
 
-    return trace_model_dir(model_dir, ExportOptions(device=device, dtype=dtype, quantization=quantization))[1]
+    options = ExportOptions(
+        device=device, dtype=dtype, quantization=quantization, quantization_exclude=tuple(quantization_exclude)
+    )
+    return trace_model_dir(model_dir, options)[1]
 
 
 def export(model_dir, output, **options) -> dict:
