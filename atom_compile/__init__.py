@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from atom_compile.lazy_names import lazy_names
@@ -88,13 +89,13 @@ def trace(
     device: str = "cpu",
     dtype: str = "auto",
     quantization: str | None = None,
-    quantization_exclude: tuple[str, ...] = (),
+    quantization_exclude: Sequence[str] = (),
 ) -> TracedModel:
     """The model in `model_dir` traced to one FX graph (no passes applied)."""
     from atom_compile.export import trace_model_dir
 
     options = ExportOptions(
-        device=device, dtype=dtype, quantization=quantization, quantization_exclude=tuple(quantization_exclude)
+        device=device, dtype=dtype, quantization=quantization, quantization_exclude=quantization_exclude
     )
     return trace_model_dir(model_dir, options)[1]
 

@@ -36,6 +36,9 @@ class ExportOptions:
     load_dummy: bool = False
     backend: str | None = None  # ops backend; default: the best one for the device
 
+    def __post_init__(self) -> None:
+        self.quantization_exclude = tuple(self.quantization_exclude)  # a list from a CLI or a manifest
+
     def validate(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level}")

@@ -70,9 +70,15 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, tuple[Tensor, Tensor]] = {}  # (logits, each row's drawn token)
         self.pool = pool
-        inputs = runner.inputs
-        short = short_table_blocks(inputs.block_tables.shape[1], inputs.block_size)
-        self.short_blocks = short if 1 in self.sizes else None
+        self.short_blocks = self.short_graph_blocks(
+            sizes, runner.inputs.block_tables.shape[1], runner.inputs.block_size
+        )
+
+    @staticmethod
+    def short_graph_blocks(sizes: list[int], max_blocks: int, block_size: int) -> int | None:
+        """The short batch-1 graph's block-table columns, or None where there is none (no batch-1 graph, or a table
+        too narrow for it to matter)."""
+        return short_table_blocks(max_blocks, block_size) if 1 in sizes else None
 
     def keys(self) -> list[GraphKey]:
         """Every graph to capture, largest first."""

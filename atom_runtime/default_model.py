@@ -68,7 +68,7 @@ def default_artifact(
         device=str(target),
         dtype=dtype,
         quantization=quantization,
-        quantization_exclude=tuple(quantization_exclude),
+        quantization_exclude=quantization_exclude,
         weights="copy",
     )
     return path

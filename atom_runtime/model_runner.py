@@ -176,7 +176,9 @@ class ModelRunner:
         used = free_before - torch.cuda.mem_get_info()[0]
         del trials, self.kv_caches, self.inputs, cache
         torch.cuda.empty_cache()
-        graphs = len(self.capture_sizes + self.piecewise_sizes) + int(1 in self.capture_sizes)  # + the short one
+        max_blocks = -(-self.max_model_len // self.block_size)
+        short = DecodeGraphs.short_graph_blocks(self.capture_sizes, max_blocks, self.block_size) is not None
+        graphs = len(self.capture_sizes + self.piecewise_sizes) + int(short)
         return int(used * 1.2) + (2 << 20) * graphs
 
     def profile_run(self) -> None:
