@@ -8,12 +8,12 @@
 twelfth session found a 3-stage decode attention launch losing ~1.2 µs a layer straight after the qkv GEMV, which
 no kernel timed alone shows. Each case runs 20 layers in one graph, each with weights and a cache of its own (as a
 model's layers: nothing served from L2), through the ops the exported graph runs (after its fusion passes): the
-whole decoder layer (`decoder layer`: add + RMSNorm + qkv, the RoPE (QK-norm for Qwen3) cache write, paged
-attention, o, then the MLP half in `fused_add_rms_norm_mlp`); its attention half (`attention half`: qkv to o); the
-same without the cache write (`attention after the GEMV`); the qkv and o projections alone (`GEMVs`); µs a layer,
-and `layer - half` the MLP half. `--quantization fp8` quantizes the projections per output channel and runs the
-fp8_linear ops (one token: the weight-only GEMVs), as an artifact exported with `--quantization fp8` does. A
-decoder layer here should track a model step's share of it without exporting an artifact (a scratch version of the
+whole decoder layer (`decoder layer`: add + RMSNorm + qkv, the RoPE (QK-norm for Qwen3) cache write — for Llama in
+the qkv GEMV's epilogue, `qkv_rope_and_cache` — paged attention, o, then the MLP half in `fused_add_rms_norm_mlp`);
+its attention half (`attention half`: qkv to o); the same without the cache write (`attention after the GEMV`); the
+qkv and o projections alone (`GEMVs`); µs a layer, and `layer - half` the MLP half. `--quantization fp8` quantizes
+the projections per output channel and runs the fp8_linear ops (one token: the weight-only GEMVs), as an artifact
+exported with `--quantization fp8` does. A decoder layer here should track a model step's share of it without exporting an artifact (a scratch version of the
 case, H100, thirteenth session: ~30 µs a layer at Qwen3-0.6B batch 1, against ~29 in the model's graph profile).
 """
 
@@ -86,10 +86,12 @@ def layer_cases(preset: dict, batch: int, context: int, fp8: bool) -> dict[str, 
         return linear(ops.paged_attention(q, cache, tables, seq_lens, query_start_loc, scale).flatten(1), w_o)
 
     def attention_half():
-        q, k, v, summed = qkv()
-        if norms is None:
-            q = ops.rope_and_cache(positions, q, k, v, cos_sin, cache, slots)
+        if norms is None:  # Llama: the qkv GEMV rotates and writes the cache in its epilogue (pass `qkv_rope_cache`)
+            (w, w_scale), out_dtype = (w_qkv if fp8 else (w_qkv, None)), (dtype if fp8 else None)
+            front = (x, residual, input_norm, eps, w, w_scale, None, out_dtype, positions, cos_sin, cache, slots)
+            q, summed = ops.qkv_rope_and_cache(*front, q_heads)
         else:
+            q, k, v, summed = qkv()
             q = ops.qk_norm_rope_and_cache(positions, q, k, v, *norms, eps, cos_sin, cache, slots)
         return attend(q), summed
 

@@ -259,6 +259,7 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
         "silu_mul_linear",
         "gated_mlp",
         "qk_norm_rope_cache",
+        "qkv_rope_cache",
         "cleanup",
     ]
     capsys.readouterr()

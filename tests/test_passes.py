@@ -74,6 +74,32 @@ def test_qk_norm_rope_cache_on_qwen3(tiny_qwen3):
     assert_same_outputs(before, run(model, t))
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_qkv_rope_cache_on_llama(tiny_llama, quantization):
+    """Each layer's fused qkv projection (the first layer's without a residual) and its RoPE/cache write become one
+    op, bf16 or FP8, with the same outputs and caches for several tokens and for one."""
+    model, t = traced(tiny_llama, quantization)
+    layers = model.config.num_hidden_layers
+    apply(t, *resolve_pipeline("-qkv_rope_cache,-cleanup"))
+    before, before_one = run(model, t), run(model, t, tokens=1)
+    assert apply(t, "qkv_rope_cache") == {"qkv_rope_cache": layers}
+    after_ops = ops(t.graph_module)
+    suffix = "fp8_linear" if quantization else "linear"
+    assert after_ops["atom.qkv_rope_and_cache.default"] == layers
+    assert after_ops["atom.rope_and_cache.default"] == 0
+    assert after_ops[f"atom.rms_norm_{suffix}.default"] == after_ops[f"atom.fused_add_rms_norm_{suffix}.default"] == 0
+    assert_same_outputs(before, run(model, t))
+    assert_same_outputs(before_one, run(model, t, tokens=1))
+
+
+def test_qkv_rope_cache_leaves_qk_norm_and_unfused_projections(tiny_llama, tiny_qwen3):
+    """Qwen3's QK norm keeps its kernel; a qkv projection without its norm fused (pass off) is left alone."""
+    _, t = traced(tiny_qwen3)
+    assert apply(t, *resolve_pipeline("-cleanup"))["qkv_rope_cache"] == 0
+    _, t = traced(tiny_llama)
+    assert apply(t, *resolve_pipeline("-rms_norm_linear,-cleanup"))["qkv_rope_cache"] == 0
+
+
 def test_qk_norm_pass_does_not_match_llama(tiny_llama):
     _, t = traced(tiny_llama)
     assert apply(t, "qk_norm_rope_cache") == {"qk_norm_rope_cache": 0}
@@ -296,8 +322,8 @@ def test_pipeline_edits():
         "gated_mlp",
         "qk_norm_rope_cache",
     ]
-    assert resolve_pipeline(None) == [*default, "rope_cache", "cleanup"]
-    assert resolve_pipeline("-rope_cache,-cleanup") == default
+    assert resolve_pipeline(None) == [*default, "rope_cache", "qkv_rope_cache", "cleanup"]
+    assert resolve_pipeline("-rope_cache,-qkv_rope_cache,-cleanup") == default
     assert resolve_pipeline(["rope_cache", "cleanup"]) == ["rope_cache", "cleanup"]
     with pytest.raises(KeyError, match="unknown pass 'nope'"):
         resolve_pipeline("+nope")

@@ -22,6 +22,7 @@ from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.attention import (
     paged_attention_reference,
     qk_norm_rope_and_cache_reference,
+    qkv_rope_and_cache_reference,
     reshape_and_cache_reference,
     rope_and_cache_reference,
 )
@@ -593,6 +594,75 @@ def test_rope_and_cache(tokens, q_heads, kv_heads, head_dim, cache_dtype):
     q_ref = rope_and_cache_reference(positions, q, k, v, table, expected, slots)
     assert_close(q_out, q_ref)
     assert_close(cache, expected)
+
+
+def qkv_case(tokens, hidden, q_heads, kv_heads, head_dim, fp8, residual, cache_dtype, dtype, block_size=4):
+    """`qkv_rope_and_cache`'s arguments: x, residual (or None), norm weight, eps, the [q; k; v] weight, its scale (per
+    channel where FP8) and bias, out_dtype, positions, cos/sin, cache, slots, q heads, and per-tensor scales for an FP8
+    cache."""
+    x, g = randn(tokens, hidden, dtype=dtype, scale=3.0), randn(hidden, dtype=dtype)
+    rows = (q_heads + 2 * kv_heads) * head_dim
+    w, scale = randn(rows, hidden, dtype=dtype, scale=0.05), None
+    if fp8:
+        w, scale = quantize_weight(w, "per_channel")
+    table = rope_table(head_dim)
+    positions = torch.randint(0, table.shape[0], (tokens,), device=DEVICE)
+    cache, slots = kv_cache_and_slots(tokens, kv_heads, head_dim, block_size, cache_dtype)
+    scales = [torch.tensor([s], device=DEVICE) for s in (0.5, 2.0)] if cache_dtype == FP8_DTYPE else [None, None]
+    residual = randn(tokens, hidden, dtype=dtype) if residual else None
+    bias = randn(rows, dtype=dtype)
+    return (
+        x,
+        residual,
+        g,
+        1e-6,
+        w,
+        scale,
+        bias,
+        dtype if fp8 else None,
+        positions,
+        table,
+        cache,
+        slots,
+        q_heads,
+        *scales,
+    )
+
+
+def check_qkv_rope_and_cache(args, tol):
+    expected = args[10].clone()
+    q, summed = gemm.qkv_rope_and_cache(*args)
+    q_ref, summed_ref = qkv_rope_and_cache_reference(*args[:10], expected, *args[11:])
+    assert_close(q, q_ref, tol)
+    assert summed.shape == summed_ref.shape and torch.equal(summed, summed_ref)  # the sum rounds as torch's add
+    assert_close(args[10], expected, tol)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_qkv_rope_and_cache(tokens, fp8, residual, cache_dtype):
+    """The qkv GEMV with RoPE and the cache write in its epilogue (one token; the slot of a padding token, -1, is
+    left alone), and the fused projection op then `rope_and_cache` for more; odd sizes (3 q heads, 7 of hidden)."""
+    if tokens > 1 and fp8 and not CUDA:
+        pytest.skip("FP8 projections of several tokens run scaled_mm, which needs a GPU")
+    dtype = DTYPE if fp8 or CUDA else torch.float16  # bf16/fp16 weights take the GEMV; the interpreter's fp16 is right
+    args = qkv_case(tokens, 71, 3, 1, 16, fp8, residual, cache_dtype, dtype)
+    check_qkv_rope_and_cache(args, 2e-2)
+    if tokens == 1:  # padding: nothing written
+        args[11].fill_(-1)
+        check_qkv_rope_and_cache(args, 2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("hidden,q_heads,kv_heads,head_dim", [(4096, 32, 8, 128), (1024, 16, 8, 128), (512, 8, 2, 64)])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_qkv_rope_and_cache_gpu_shapes(hidden, q_heads, kv_heads, head_dim, fp8, cache_dtype):
+    """Llama-3-8B's attention front (pipelined GEMV), smaller ones (weight-first GEMVs) and head_dim 64."""
+    args = qkv_case(1, hidden, q_heads, kv_heads, head_dim, fp8, True, cache_dtype, DTYPE, block_size=16)
+    check_qkv_rope_and_cache(args, 2e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)

@@ -5,6 +5,7 @@ from atom_compile.passes import (  # noqa: F401
     fp8_linear,
     gated_mlp,
     qk_norm_rope_cache,
+    qkv_rope_cache,
     rms_norm_linear,
     rms_norm_quant,
     rope_cache,

@@ -48,6 +48,7 @@ DEFAULT_PIPELINE = [
     "gated_mlp",
     "qk_norm_rope_cache",
     "rope_cache",
+    "qkv_rope_cache",
     "cleanup",
 ]
 

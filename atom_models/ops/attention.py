@@ -31,12 +31,23 @@ On the demo model (`bench_fp8_accuracy.py`, FP8 weights and activations) against
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from atom_models.ops.backend import implementation, register_impl
+from atom_models.ops.linear import fused_add_rms_norm_linear_reference, rms_norm_linear_reference
 from atom_models.ops.norm import rms_norm_reference
-from atom_models.ops.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8_static
+from atom_models.ops.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    fused_add_rms_norm_fp8_linear_reference,
+    quantize_fp8_static,
+    rms_norm_fp8_linear_reference,
+)
 from atom_models.ops.rotary import rotary_embedding_reference
 
 # Ops that are the graph's split points: they read or write the KV cache, stay opaque
@@ -47,6 +58,7 @@ KV_CACHE_OPS = (
     "atom::reshape_and_cache",
     "atom::rope_and_cache",
     "atom::qk_norm_rope_and_cache",
+    "atom::qkv_rope_and_cache",
 )
 
 
@@ -173,6 +185,116 @@ def _(
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("atom::qkv_rope_and_cache", mutates_args=("kv_cache",))
+def qkv_rope_and_cache(
+    x: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    weight_scale: Tensor | None,
+    bias: Tensor | None,
+    out_dtype: torch.dtype | None,
+    positions: Tensor,
+    cos_sin_cache: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    num_q_heads: int,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A Llama attention's front as one op: RMSNorm (of x + residual, where given), the fused qkv projection (FP8
+    where `weight_scale` is given: fp8_linear's, into `out_dtype`), RoPE on q and k, and k and v into the cache.
+    Returns (the rotated q [tokens, num_q_heads, head_dim], x + residual, or an empty tensor without a residual).
+
+    What the `qkv_rope_cache` pass makes of the fused projection op and `rope_and_cache`: for one token the Triton
+    backend rotates and writes the cache in the projection GEMV's epilogue, so a decode step has no RoPE kernel.
+    """
+    return implementation("qkv_rope_and_cache", x.device)(
+        x,
+        residual,
+        norm_weight,
+        eps,
+        weight,
+        weight_scale,
+        bias,
+        out_dtype,
+        positions,
+        cos_sin_cache,
+        kv_cache,
+        slot_mapping,
+        num_q_heads,
+        k_scale,
+        v_scale,
+    )
+
+
+@qkv_rope_and_cache.register_fake
+def _(
+    x,
+    residual,
+    norm_weight,
+    eps,
+    weight,
+    weight_scale,
+    bias,
+    out_dtype,
+    positions,
+    cos_sin_cache,
+    kv_cache,
+    slot_mapping,
+    num_q_heads,
+    k_scale=None,
+    v_scale=None,
+):
+    dtype = out_dtype if weight_scale is not None else x.dtype
+    q = x.new_empty((*x.shape[:-1], num_q_heads, kv_cache.shape[-1]), dtype=dtype)
+    return q, x.new_empty(x.shape if residual is not None else (0,))
+
+
+@dataclass(frozen=True)
+class QKVRopeCache:
+    """`qkv_rope_and_cache` as the fused projection op its arguments name, then `rope_and_cache`, in some backend."""
+
+    norm_linear: Callable  # rms_norm_linear
+    add_norm_linear: Callable  # fused_add_rms_norm_linear
+    norm_fp8_linear: Callable  # rms_norm_fp8_linear
+    add_norm_fp8_linear: Callable  # fused_add_rms_norm_fp8_linear
+    rope_and_cache: Callable
+
+    def __call__(
+        self,
+        x,
+        residual,
+        norm_weight,
+        eps,
+        weight,
+        weight_scale,
+        bias,
+        out_dtype,
+        positions,
+        cos_sin_cache,
+        kv_cache,
+        slot_mapping,
+        num_q_heads,
+        k_scale=None,
+        v_scale=None,
+    ):
+        fp8 = (weight_scale, bias, out_dtype) if weight_scale is not None else (bias,)
+        summed = x.new_empty(0)
+        if residual is None:
+            project = self.norm_linear if weight_scale is None else self.norm_fp8_linear
+            qkv = project(x, norm_weight, eps, weight, *fp8)
+        else:
+            project = self.add_norm_linear if weight_scale is None else self.add_norm_fp8_linear
+            qkv, summed = project(x, residual, norm_weight, eps, weight, *fp8)
+        head_dim = kv_cache.shape[-1]
+        q_width, kv_width = num_q_heads * head_dim, (qkv.shape[-1] - num_q_heads * head_dim) // 2
+        q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv.split([q_width, kv_width, kv_width], -1))
+        q = self.rope_and_cache(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping, k_scale, v_scale)
+        return q, summed
+
+
 # The dtype of an FP8 cache with inline (token, head) scales: its bytes are e4m3 entries and fp32 scales.
 INLINE_SCALE_DTYPE = torch.uint8
 
@@ -294,6 +416,17 @@ def rope_and_cache_reference(
     q, k = rotary_embedding_reference(positions, q, k, cos_sin_cache)
     reshape_and_cache_reference(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+qkv_rope_and_cache_reference = register_impl("qkv_rope_and_cache", "torch")(
+    QKVRopeCache(
+        rms_norm_linear_reference,
+        fused_add_rms_norm_linear_reference,
+        rms_norm_fp8_linear_reference,
+        fused_add_rms_norm_fp8_linear_reference,
+        rope_and_cache_reference,
+    )
+)
 
 
 @register_impl("qk_norm_rope_and_cache", "torch")

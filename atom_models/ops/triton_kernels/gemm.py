@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from atom_models.ops.attention import QKVRopeCache, inline_scales
 from atom_models.ops.backend import register_impl
 from atom_models.ops.mlp import Projections
-from atom_models.ops.quant import one_token
+from atom_models.ops.quant import FP8_DTYPE, one_token
 from atom_models.ops.triton_kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
 from atom_models.ops.triton_kernels.common import (
     as_rows,
@@ -54,6 +55,7 @@ from atom_models.ops.triton_kernels.norm import (
     rms_norm_quant_fp8,
 )
 from atom_models.ops.triton_kernels.quant import quant_fp8_per_token
+from atom_models.ops.triton_kernels.rotary_cache import rope_and_cache, rotate_halves, to_fp8_range
 
 
 @dataclass(frozen=True)
@@ -388,6 +390,20 @@ class SiluMulPrologue:
     kind: ClassVar[int] = SILU_MUL
 
 
+@dataclass(frozen=True)
+class RopeCacheEpilogue:
+    """The one-token GEMV of a Llama attention's fused [q; k; v] weight rotates q and k and writes k and v to the
+    layer's cache (`qkv_rope_and_cache`); its output is the rotated q."""
+
+    positions: Tensor
+    cos_sin_cache: Tensor
+    kv_cache: Tensor  # [2, blocks, block_size, kv_heads, head_dim], contiguous, not inline-scaled
+    slot_mapping: Tensor
+    num_q_heads: int
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
+
+
 @triton.jit
 def _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, cols, k_ok, K, store_sum, PROLOGUE: tl.constexpr):
     """The token's columns `cols` as the GEMV's fp32 operand, after the prologue, and (RMS_NORM) their squares.
@@ -414,6 +430,57 @@ def _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, cols, k_ok, K, store_sum, PROL
     return a, squares
 
 
+@triton.jit
+def _store_pairs(head_ptr, x1, x2, cols, HEAD_DIM: tl.constexpr):
+    """Columns `cols` of a head's first half and their partners HEAD_DIM / 2 on, in the head's dtype."""
+    tl.store(head_ptr + cols, x1.to(head_ptr.dtype.element_ty))
+    tl.store(head_ptr + HEAD_DIM // 2 + cols, x2.to(head_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _rope_cache_epilogue(
+    acc,
+    cos_sin,
+    head,
+    first_pair,
+    slot,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    num_q_heads,
+    num_kv_heads,
+    stride_cache_slot,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+):
+    """ROPE_CACHE's epilogue: a program's HALF pairs of one head, rotated (q, k) and stored (q to q_ptr, k and v to
+    their caches at `slot`, unless it is -1: padding)."""
+    dtype = q_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
+    cos, sin = tl.split(tl.permute(tl.reshape(cos_sin.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
+    cols = first_pair + tl.arange(0, HALF)
+    if head < num_q_heads + num_kv_heads:  # q and k heads rotate, v heads do not
+        x1, x2 = rotate_halves(x1, x2, cos, sin, dtype)
+    if head < num_q_heads:
+        _store_pairs(q_ptr + head * HEAD_DIM, x1, x2, cols, HEAD_DIM)
+    elif slot >= 0:
+        is_v = head >= num_q_heads + num_kv_heads
+        kv_head = head - num_q_heads - is_v * num_kv_heads
+        offset = slot * stride_cache_slot + kv_head * HEAD_DIM
+        if is_v:
+            if FP8_CACHE:
+                x1, x2 = to_fp8_range(x1, x2, v_scale_ptr, KV_SCALED)
+            _store_pairs(v_cache_ptr + offset, x1, x2, cols, HEAD_DIM)
+        else:
+            if FP8_CACHE:
+                x1, x2 = to_fp8_range(x1, x2, k_scale_ptr, KV_SCALED)
+            _store_pairs(k_cache_ptr + offset, x1, x2, cols, HEAD_DIM)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_mm_kernel(
     x_ptr,
@@ -427,12 +494,23 @@ def _skinny_mm_kernel(
     res_ptr,
     g_ptr,
     sum_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     eps,
     M,
     N,
     K,
     k_per_split,
     num_splits,
+    num_q_heads,
+    num_kv_heads,
+    stride_cos,
+    stride_cache_slot,
     stride_xm,
     stride_xsm,
     stride_wn,
@@ -458,6 +536,10 @@ def _skinny_mm_kernel(
     GATED: tl.constexpr,
     ONE_WAVE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROPE_CACHE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr = 2,
+    FP8_CACHE: tl.constexpr = False,
+    KV_SCALED: tl.constexpr = False,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
 
@@ -469,7 +551,11 @@ def _skinny_mm_kernel(
     x = [gate | up] of 2K columns. GATED (the one-token GEMV, unsplit): the weight is [gate; up], N = 2 x the
     output's columns, and a program takes BLOCK_N / 2 rows of each half, so its epilogue writes SiLU(gate) * up
     (rounded as `silu_and_mul` rounds) instead of both: the activation is computed once, not in every program of
-    the down projection's prologue.
+    the down projection's prologue. ROPE_CACHE (the one-token GEMV, unsplit; `qkv_rope_and_cache`): the weight is a
+    Llama attention's [q; k; v] of HEAD_DIM-wide heads, a program takes BLOCK_N / 2 rows of a head's first half and
+    the rows HEAD_DIM / 2 further (the pairs neox RoPE rotates together), and its epilogue rotates q and k heads
+    (as `rope_and_cache` rounds), stores q heads to out_ptr ([num_q_heads, HEAD_DIM]) and k and v heads to the
+    cache at the token's slot (FP8_CACHE: over the cache's scales where KV_SCALED, saturated to e4m3).
 
     A decode GEMM reads each weight byte once and does almost no arithmetic on it, so what counts
     is bytes in flight: many programs (narrow N tiles, and K split in `num_splits` slices when N alone
@@ -499,6 +585,17 @@ def _skinny_mm_kernel(
         rows = tl.arange(0, BLOCK_N)
         offs_n = pid_n * HALF + rows % HALF + (rows // HALF) * (N // 2)
         n_ok = pid_n * HALF + rows % HALF < N // 2
+    elif ROPE_CACHE:  # rows r < HALF of a head's first half, the rest their partners HEAD_DIM / 2 on
+        rows = tl.arange(0, BLOCK_N)
+        head = pid_n // (HEAD_DIM // BLOCK_N)
+        pair = (pid_n % (HEAD_DIM // BLOCK_N)) * HALF + rows % HALF
+        offs_n = head * HEAD_DIM + pair + (rows // HALF) * (HEAD_DIM // 2)
+        n_ok = offs_n < N
+        # the step's position and slot and the cos/sin table: nothing the kernel before writes (see
+        # `wait_for_previous_kernel`), so their round trips happen while it may still run
+        cos_sin = cos_sin_ptr + tl.load(pos_ptr).to(tl.int64) * stride_cos + pair
+        slot = tl.load(slot_ptr).to(tl.int64)
+        cos_sin = tl.load(cos_sin + (rows // HALF) * (HEAD_DIM // 2))  # [cos; sin] of the pairs
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -573,7 +670,27 @@ def _skinny_mm_kernel(
                 acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=m_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if GATED:  # one token (BLOCK_M 1): [gate rows; up rows] -> SiLU(gate) * up
+        if ROPE_CACHE:
+            _rope_cache_epilogue(
+                acc,
+                cos_sin,
+                head,
+                pid_n % (HEAD_DIM // BLOCK_N) * HALF,
+                slot,
+                out_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                k_scale_ptr,
+                v_scale_ptr,
+                num_q_heads,
+                num_kv_heads,
+                stride_cache_slot,
+                HALF,
+                HEAD_DIM,
+                FP8_CACHE,
+                KV_SCALED,
+            )
+        elif GATED:  # one token (BLOCK_M 1): [gate rows; up rows] -> SiLU(gate) * up
             dtype = out_ptr.dtype.element_ty
             gate, up = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
             cols = pid_n * HALF + tl.arange(0, HALF)
@@ -594,13 +711,15 @@ def run_skinny_mm(
     config: SkinnyConfig | None = None,
     prologue: RMSNormPrologue | SiluMulPrologue | None = None,
     gated: bool = False,
+    rope_cache: RopeCacheEpilogue | None = None,
 ) -> Tensor:
     """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
 
     Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w; for one token it may
     take a prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape). One
     unquantized token (x_scale None) may also go through an fp8 weight with per-row scales: weight-only.
-    `gated` (one token): w is [gate; up] and the output SiLU(gate) * up, half w's rows wide.
+    `gated` (one token): w is [gate; up] and the output SiLU(gate) * up, half w's rows wide. `rope_cache` (one
+    token): w is [q; k; v] and the output the rotated q, the k and v heads going to the cache.
     """
     if x_scale is not None and w_scale is None:
         raise ValueError("the skinny GEMM takes activation scales only with weight scales (fp8)")
@@ -625,6 +744,12 @@ def run_skinny_mm(
             raise ValueError(f"the gated GEMV takes one token and an even number of weight rows, got {m} and {n}")
         # a program holds matching gate and up rows, and writes the activation whole (no split of K)
         config = dataclasses.replace(config, block_n=max(2, config.block_n), split_k=1)
+    head_dim = rope_cache.kv_cache.shape[-1] if rope_cache is not None else 2
+    if rope_cache is not None:
+        if config.dot or n % head_dim or head_dim % 2:
+            raise ValueError(f"the RoPE epilogue takes one token and whole heads of {head_dim}, got {m} and {n} rows")
+        # a program holds pairs of one head (whole tiles of it), and writes them whole (no split of K)
+        config = dataclasses.replace(config, block_n=min(max(2, config.block_n), head_dim), split_k=1)
     residual = norm_weight = summed = None
     if isinstance(prologue, RMSNormPrologue):
         if config.split_k > 1:  # each program needs the squares of the whole row
@@ -639,7 +764,8 @@ def run_skinny_mm(
             if residual.shape != x.shape:
                 raise ValueError("the RMSNorm prologue's residual must have x's shape")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
-    out = torch.empty((m, n // 2 if gated else n), dtype=out_dtype, device=x.device)
+    width = n // 2 if gated else rope_cache.num_q_heads * head_dim if rope_cache is not None else n
+    out = torch.empty((m, width), dtype=out_dtype, device=x.device)
     scaled, x_scaled = ws is not None, x_scale is not None
     unused = out[:1, :1]  # for the scale pointers a launch does not read: one element, so nothing looks grouped
     x_scale = _activation_scales(x_scale) if x_scaled else unused
@@ -653,6 +779,7 @@ def run_skinny_mm(
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, n_tiles)
+    rope = _rope_cache_arguments(rope_cache, n, head_dim, unused)
     if m:
         strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
         pdl = pdl_launch(x.device)
@@ -668,12 +795,14 @@ def run_skinny_mm(
             residual,
             norm_weight,
             summed,
+            *rope.pointers,
             prologue.eps if isinstance(prologue, RMSNormPrologue) else 0.0,
             m,
             n,
             k,
             k_per_split,
             split_k,
+            *rope.sizes,
             *strides,
             BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else 1,
             SCALED=scaled,
@@ -684,6 +813,7 @@ def run_skinny_mm(
             WEIGHT_FIRST=weight_first,
             ONE_TRIP=weight_first and config.max_registers is not None,  # a capped weight-first config: its one tile
             GATED=gated,
+            **rope.constants,
             # where it changes anything: a pipelined GEMV under PDL
             ONE_WAVE=pdl["USE_PDL"]
             and not (weight_first or config.dot)
@@ -693,6 +823,29 @@ def run_skinny_mm(
             **pdl,
         )
     return out.reshape(*x_q.shape[:-1], out.shape[1])
+
+
+@dataclass(frozen=True)
+class _RopeCacheArguments:
+    pointers: tuple  # positions, cos/sin, slots, k and v caches, k and v scales
+    sizes: tuple  # num_q_heads, num_kv_heads, stride_cos, stride_cache_slot
+    constants: dict
+
+
+def _rope_cache_arguments(epilogue: RopeCacheEpilogue | None, n: int, head_dim: int, unused: Tensor):
+    """`_skinny_mm_kernel`'s ROPE_CACHE arguments (`unused` and zeros without the epilogue)."""
+    if epilogue is None:
+        return _RopeCacheArguments((unused,) * 7, (0, 0, 0, 0), {})
+    cache = epilogue.kv_cache
+    if not cache.is_contiguous() or inline_scales(cache) or epilogue.cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError("the RoPE epilogue needs a contiguous cache of e4m3 or plain entries and full-width RoPE")
+    fp8, scaled = cache.dtype == FP8_DTYPE, epilogue.k_scale is not None
+    scales = (epilogue.k_scale, epilogue.v_scale) if fp8 and scaled else (unused, unused)
+    pointers = (epilogue.positions, epilogue.cos_sin_cache, epilogue.slot_mapping, cache[0], cache[1], *scales)
+    num_kv_heads = (n // head_dim - epilogue.num_q_heads) // 2
+    sizes = (epilogue.num_q_heads, num_kv_heads, epilogue.cos_sin_cache.stride(0), cache.stride(2))
+    constants = {"ROPE_CACHE": True, "HEAD_DIM": head_dim, "FP8_CACHE": fp8, "KV_SCALED": fp8 and scaled}
+    return _RopeCacheArguments(pointers, sizes, constants)
 
 
 @register_impl("scaled_mm_blockwise", "triton")
@@ -833,3 +986,59 @@ def fused_add_rms_norm_mlp(x, residual, norm_weight, eps, w1, s1, b1, w2, s2, b2
     prologue = RMSNormPrologue(norm_weight, eps, residual, summed)
     act = run_skinny_mm(x, None, w1, s1, b1, act_dtype, (1, w1.shape[1]), prologue=prologue, gated=True)
     return _gemv(act, w2, s2, b2, out_dtype if s2 is not None else act_dtype), summed
+
+
+_qkv_then_rope = QKVRopeCache(
+    rms_norm_linear, fused_add_rms_norm_linear, rms_norm_fp8_linear, fused_add_rms_norm_fp8_linear, rope_and_cache
+)
+
+
+@register_impl("qkv_rope_and_cache", "triton")
+def qkv_rope_and_cache(
+    x,
+    residual,
+    norm_weight,
+    eps,
+    weight,
+    weight_scale,
+    bias,
+    out_dtype,
+    positions,
+    cos_sin_cache,
+    kv_cache,
+    slot_mapping,
+    num_q_heads,
+    k_scale=None,
+    v_scale=None,
+) -> tuple[Tensor, Tensor]:
+    """One token into a contiguous cache of plain or e4m3 entries: the qkv GEMV (norm prologue) rotates q and k and
+    writes k and v to the cache in its epilogue. Otherwise the fused projection op, then `rope_and_cache`."""
+    head_dim = kv_cache.shape[-1]
+    gemv = weight_scale is not None or _skinny_linear(x, weight, FUSED_LINEAR_MAX_M)
+    epilogue = kv_cache.is_contiguous() and not inline_scales(kv_cache) and cos_sin_cache.shape[-1] == head_dim
+    if not (one_token(x) and gemv and epilogue):
+        return _qkv_then_rope(
+            x,
+            residual,
+            norm_weight,
+            eps,
+            weight,
+            weight_scale,
+            bias,
+            out_dtype,
+            positions,
+            cos_sin_cache,
+            kv_cache,
+            slot_mapping,
+            num_q_heads,
+            k_scale,
+            v_scale,
+        )
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
+    prologue = RMSNormPrologue(norm_weight, eps, residual, summed if residual is not None else None)
+    rope = RopeCacheEpilogue(positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale)
+    dtype = out_dtype if weight_scale is not None else x.dtype
+    q = run_skinny_mm(
+        x, None, weight, weight_scale, bias, dtype, (1, weight.shape[1]), prologue=prologue, rope_cache=rope
+    )
+    return q.unflatten(-1, (num_q_heads, head_dim)), summed

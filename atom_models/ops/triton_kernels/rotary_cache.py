@@ -50,13 +50,16 @@ def _store_halves(row_ptr, x1, x2, heads, cols, mask, stride_h, HALF: tl.constex
 
 
 @triton.jit
-def _to_fp8_range(x1, x2, scale_ptr, HAS_SCALE: tl.constexpr):
-    """Both halves divided by the cache's scale (when given) and saturated to e4m3's range."""
+def to_fp8_range(x1, x2, scale_ptr, HAS_SCALE: tl.constexpr):
+    """Both halves divided by the cache's scale (when given) and saturated to e4m3's range.
+
+    e4m3's largest value (FP8_MAX) is written out: the qkv GEMV's epilogue calls this too, and a helper that several
+    kernels call must not read a global constexpr (see `common.silu`)."""
     if HAS_SCALE:
         scale = tl.load(scale_ptr)
         x1 = x1 / scale
         x2 = x2 / scale
-    return tl.clamp(x1, -FP8_MAX_C, FP8_MAX_C), tl.clamp(x2, -FP8_MAX_C, FP8_MAX_C)
+    return tl.clamp(x1, -448.0, 448.0), tl.clamp(x2, -448.0, 448.0)
 
 
 @triton.jit
@@ -84,7 +87,7 @@ def _rms_norm_halves(
 
 
 @triton.jit
-def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
+def rotate_halves(x1, x2, cos, sin, DTYPE: tl.constexpr):
     """Neox rotation, x * cos + cat(-x2, x1) * sin, rounding each op to DTYPE."""
     a1 = (x1 * cos).to(DTYPE).to(tl.float32)
     a2 = (x2 * cos).to(DTYPE).to(tl.float32)
@@ -174,8 +177,8 @@ def _rope_cache_kernel(
         if QK_NORM:
             q1, q2 = _rms_norm_halves(q1, q2, q_w_ptr, cols, col_mask, eps, IN_DTYPE, ACT_DTYPE, HALF)
             k1, k2 = _rms_norm_halves(k1, k2, k_w_ptr, cols, col_mask, eps, IN_DTYPE, ACT_DTYPE, HALF)
-        q1, q2 = _rotate(q1, q2, cos, sin, ACT_DTYPE)
-        k1, k2 = _rotate(k1, k2, cos, sin, ACT_DTYPE)
+        q1, q2 = rotate_halves(q1, q2, cos, sin, ACT_DTYPE)
+        k1, k2 = rotate_halves(k1, k2, cos, sin, ACT_DTYPE)
         _store_halves(q_out_ptr + t * stride_qot, q1, q2, q_heads, cols, q_mask, stride_qoh, HALF)
     if K_OUT:
         _store_halves(k_out_ptr + t * stride_kot, k1, k2, kv_heads, cols, kv_mask, stride_koh, HALF)
@@ -189,8 +192,8 @@ def _rope_cache_kernel(
                 k1, k2 = _to_fp8_inline(k1, k2, k_scale_ptr + scales, kv_heads < NUM_KV_HEADS)
                 v1, v2 = _to_fp8_inline(v1, v2, v_scale_ptr + scales, kv_heads < NUM_KV_HEADS)
             elif FP8_CACHE:
-                k1, k2 = _to_fp8_range(k1, k2, k_scale_ptr, HAS_SCALES)
-                v1, v2 = _to_fp8_range(v1, v2, v_scale_ptr, HAS_SCALES)
+                k1, k2 = to_fp8_range(k1, k2, k_scale_ptr, HAS_SCALES)
+                v1, v2 = to_fp8_range(v1, v2, v_scale_ptr, HAS_SCALES)
             _store_halves(k_cache_ptr + offset, k1, k2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
             _store_halves(v_cache_ptr + offset, v1, v2, kv_heads, cols, kv_mask, stride_cache_head, HALF)
 
