@@ -13,8 +13,9 @@ the qkv GEMV's epilogue, `qkv_rope_and_cache` — paged attention, o, then the M
 its attention half (`attention half`: qkv to o); the same without the cache write (`attention after the GEMV`); the
 qkv and o projections alone (`GEMVs`); µs a layer, and `layer - half` the MLP half. `--quantization fp8` quantizes
 the projections per output channel and runs the fp8_linear ops (one token: the weight-only GEMVs), as an artifact
-exported with `--quantization fp8` does. A decoder layer here should track a model step's share of it without exporting an artifact (a scratch version of the
-case, H100, thirteenth session: ~30 µs a layer at Qwen3-0.6B batch 1, against ~29 in the model's graph profile).
+exported with `--quantization fp8` does. A decoder layer here should track a model step's share of it without
+exporting an artifact (a scratch version of the case, H100, thirteenth session: ~30 µs a layer at Qwen3-0.6B batch
+1, against ~29 in the model's graph profile).
 """
 
 from __future__ import annotations
