@@ -8,6 +8,7 @@ they are fed (every middle layer) get the same structural key and compile once.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -73,12 +74,14 @@ def split_at_attention(gm: GraphModule) -> tuple[GraphModule, list[Piece]]:
         if node.op == "call_function" and node.target in split_ops:
             partition[node] = current + 1
             current += 2
+        elif node.target is operator.getitem and getattr(node.args[0], "target", None) in split_ops:
+            partition[node] = partition[node.args[0]]  # an item of a KV-cache op's results: its piece returns them
         else:
             partition[node] = current
     top = split_module(gm, None, lambda n: partition[n], keep_original_order=True)
     pieces = []
     for name, sub in top.named_children():
-        ops = [n for n in sub.graph.nodes if n.op == "call_function"]
+        ops = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
         eager = len(ops) == 1 and ops[0].target in split_ops
         pieces.append(Piece(name, sub, structural_key(sub), eager))
     return top, pieces
