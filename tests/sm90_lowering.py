@@ -196,6 +196,8 @@ gated_loop = {**weight_only, "PROLOGUE": gemm.RMS_NORM, "GATED": True}
 loop_ptx.append(build(gemm._skinny_mm_kernel, fp8_weight, gated_loop, num_warps=2))
 bf16_loop = {**weight_only, "SCALED": False, "PROLOGUE": gemm.NO_PROLOGUE}
 loop_ptx.append(build(gemm._skinny_mm_kernel, bf16_gemm, bf16_loop, num_warps=2))
+# the LM head's: fp32 logits rounded to bf16 first
+loop_ptx.append(build(gemm._skinny_mm_kernel, {**bf16_gemm, "out_ptr": "*fp32"}, {**bf16_loop, "ROUND_TO_X": True}))
 # the pipelined GEMV lets the next kernel launch once, after asking for its last weight tile
 for ptx in loop_ptx:
     assert ptx.count("griddepcontrol.launch_dependents") == 1

@@ -30,6 +30,7 @@ from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.linear import (
     fused_add_rms_norm_linear_reference,
     linear_reference,
+    logits_reference,
     rms_norm_linear_reference,
     silu_and_mul_linear_reference,
 )
@@ -64,6 +65,7 @@ def cpu_decompositions() -> dict:
     """
     return {
         torch.ops.atom.linear.default: linear_reference,
+        torch.ops.atom.logits.default: logits_reference,
         torch.ops.atom.rms_norm_linear.default: rms_norm_linear_reference,
         torch.ops.atom.fused_add_rms_norm_linear.default: fused_add_rms_norm_linear_reference,
         torch.ops.atom.silu_and_mul_linear.default: silu_and_mul_linear_reference,

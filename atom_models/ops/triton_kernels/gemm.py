@@ -457,6 +457,7 @@ def _skinny_mm_kernel(
     ONE_TRIP: tl.constexpr,
     GATED: tl.constexpr,
     ONE_WAVE: tl.constexpr,
+    ROUND_TO_X: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The GEMM for M <= BLOCK_M tokens, computed transposed: acc[n, m] = sum_k w[n, k] x[m, k].
@@ -579,6 +580,8 @@ def _skinny_mm_kernel(
             cols = pid_n * HALF + tl.arange(0, HALF)
             tl.store(out_ptr + cols, (silu(gate).to(dtype).to(tl.float32) * up).to(dtype), mask=cols < N // 2)
         else:
+            if ROUND_TO_X:
+                acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
             out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
@@ -594,13 +597,15 @@ def run_skinny_mm(
     config: SkinnyConfig | None = None,
     prologue: RMSNormPrologue | SiluMulPrologue | None = None,
     gated: bool = False,
+    round_to_x: bool = False,
 ) -> Tensor:
     """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
 
     Without scales (both None) it is the plain GEMM x @ w^T + bias of same-dtype x and w; for one token it may
     take a prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape). One
     unquantized token (x_scale None) may also go through an fp8 weight with per-row scales: weight-only.
-    `gated` (one token): w is [gate; up] and the output SiLU(gate) * up, half w's rows wide.
+    `gated` (one token): w is [gate; up] and the output SiLU(gate) * up, half w's rows wide. `round_to_x`: the
+    output rounds to x's dtype before it is stored as `out_dtype` (the LM head's fp32 logits).
     """
     if x_scale is not None and w_scale is None:
         raise ValueError("the skinny GEMM takes activation scales only with weight scales (fp8)")
@@ -684,6 +689,7 @@ def run_skinny_mm(
             WEIGHT_FIRST=weight_first,
             ONE_TRIP=weight_first and config.max_registers is not None,  # a capped weight-first config: its one tile
             GATED=gated,
+            ROUND_TO_X=round_to_x,
             # where it changes anything: a pipelined GEMV under PDL
             ONE_WAVE=pdl["USE_PDL"]
             and not (weight_first or config.dot)
@@ -743,6 +749,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if _skinny_linear(x, weight):
         return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]))
     return F.linear(x, weight, bias)
+
+
+@register_impl("logits", "triton")
+def logits(x: Tensor, weight: Tensor) -> Tensor:
+    """The skinny GEMM writes the fp32 logits itself, each rounded to x's dtype first (as `linear` then `.float()`)."""
+    if _skinny_linear(x, weight):
+        return run_skinny_mm(x, None, weight, None, None, torch.float32, (1, weight.shape[1]), round_to_x=True)
+    return F.linear(x, weight).float()
 
 
 # The fused linears take the prologue for one token only, in the CUDA-core GEMV; at 2 to 16 they run the op
