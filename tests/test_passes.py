@@ -220,6 +220,43 @@ def test_gated_mlp_leaves_a_sum_used_before_the_down_projection():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_final_norm_rows(model, request):
+    """The final norm and the gather of the rows a step samples become one op, for a prefill and for one token."""
+    model, t = traced(request.getfixturevalue(model))
+    before_ops, before, before_one = ops(t.graph_module), run(model, t), run(model, t, tokens=1)
+    assert apply(t, "final_norm_rows") == {"final_norm_rows": 1}
+    after_ops = ops(t.graph_module)
+    assert after_ops["atom.fused_add_rms_norm_rows.default"] == 1
+    assert after_ops["atom.fused_add_rms_norm.default"] == before_ops["atom.fused_add_rms_norm.default"] - 1
+    targets = {str(n.target) for n in t.graph_module.graph.nodes}
+    assert "aten.index_select.default" not in targets
+    assert_same_outputs(before, run(model, t))
+    assert_same_outputs(before_one, run(model, t, tokens=1))
+
+
+def norm_then_rows(sum_used: bool) -> torch.fx.GraphModule:
+    """fused_add_rms_norm -> index_select of rows; optionally the residual sum is an output too."""
+    graph = torch.fx.Graph()
+    x, residual, norm_weight, rows = (graph.placeholder(name) for name in ("x", "residual", "norm_weight", "rows"))
+    norm = graph.call_function(torch.ops.atom.fused_add_rms_norm.default, (x, residual, norm_weight, 1e-6))
+    normed, summed = (graph.call_function(operator.getitem, (norm, i)) for i in (0, 1))
+    selected = graph.call_function(torch.ops.aten.index_select.default, (normed, 0, rows))
+    graph.output((selected, summed) if sum_used else selected)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_final_norm_rows_leaves_a_norm_whose_sum_is_used():
+    inputs = (torch.randn(5, 8), torch.randn(5, 8), torch.randn(8), torch.tensor([4, 1]))
+    gm = norm_then_rows(sum_used=False)
+    before = gm(*inputs)
+    assert run_passes(gm, ["final_norm_rows"])[0].matches == 1
+    assert ops(gm) == Counter({"atom.fused_add_rms_norm_rows.default": 1})
+    torch.testing.assert_close(gm(*inputs), before, rtol=1e-6, atol=1e-6)
+    # the sum is the next residual where anything uses it: a norm over a few rows would not produce it
+    assert run_passes(norm_then_rows(sum_used=True), ["final_norm_rows"])[0].matches == 0
+
+
 def norm_then_linear(sum_used_before_linear: bool = False) -> torch.fx.GraphModule:
     """fused_add_rms_norm -> linear, written with keyword arguments; optionally the residual sum is used before it."""
     graph = torch.fx.Graph()
@@ -294,6 +331,7 @@ def test_pipeline_edits():
         "rms_norm_linear",
         "silu_mul_linear",
         "gated_mlp",
+        "final_norm_rows",
         "qk_norm_rope_cache",
     ]
     assert resolve_pipeline(None) == [*default, "rope_cache", "cleanup"]

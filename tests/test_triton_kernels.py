@@ -33,7 +33,7 @@ from atom_models.ops.linear import (
     silu_and_mul_linear_reference,
 )
 from atom_models.ops.mlp import fused_add_rms_norm_mlp_reference
-from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from atom_models.ops.norm import fused_add_rms_norm_reference, fused_add_rms_norm_rows_reference, rms_norm_reference
 from atom_models.ops.quant import (
     FP8_DTYPE,
     expand_group_scale,
@@ -158,6 +158,17 @@ def test_fused_add_rms_norm(shape):
         *quantized_ref, summed_ref = fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-5, group)
         assert_fp8_close(tuple(quantized), tuple(quantized_ref), group)
         assert_close(summed, summed_ref)
+
+
+@pytest.mark.parametrize("shape", [shape for shape in NORM_SHAPES if len(shape) == 2])
+def test_fused_add_rms_norm_rows(shape):
+    """A model's final norm over the rows a step samples: one, all in reverse, repeated ones, none."""
+    x, res, w = randn(*shape), randn(*shape), randn(shape[-1])
+    n = shape[0]
+    for rows in ([n - 1], list(range(n))[::-1], [0, n - 1, 0], []):
+        rows = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+        out = norm.fused_add_rms_norm_rows(x, res, w, 1e-5, rows)
+        assert_close(out, fused_add_rms_norm_rows_reference(x, res, w, 1e-5, rows))
 
 
 def test_rms_norm_strided_rows():

@@ -35,7 +35,11 @@ from atom_models.ops.linear import (
     silu_and_mul_linear_reference,
 )
 from atom_models.ops.mlp import Projections
-from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from atom_models.ops.norm import (
+    fused_add_rms_norm_reference,
+    fused_add_rms_norm_rows_reference,
+    rms_norm_reference,
+)
 from atom_models.ops.rotary import rotary_embedding_reference
 
 FORMATS = {"cpu": "aoti", "cuda": "inductor"}
@@ -58,7 +62,7 @@ def inductor_decompositions() -> dict:
 
 
 def cpu_decompositions() -> dict:
-    """The projections, fused or not, as their references in a CPU piece.
+    """The projections, fused or not, and the final norm over the sampled rows, as their references in a CPU piece.
 
     On CPU the ops always run their references; inside an AOTInductor package an op would be a call
     back into Python for every projection (25-40 us each), where Inductor's own GEMM needs none.
@@ -70,6 +74,7 @@ def cpu_decompositions() -> dict:
         torch.ops.atom.fused_add_rms_norm_linear.default: fused_add_rms_norm_linear_reference,
         torch.ops.atom.silu_and_mul_linear.default: silu_and_mul_linear_reference,
         torch.ops.atom.fused_add_rms_norm_mlp.default: _mlp_as_projections,
+        torch.ops.atom.fused_add_rms_norm_rows.default: fused_add_rms_norm_rows_reference,
     }
 
 
