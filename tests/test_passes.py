@@ -292,15 +292,21 @@ def test_quant_passes_do_not_match_unquantized_model(tiny_llama):
     assert apply(t, "rms_norm_quant", "silu_mul_quant") == {"rms_norm_quant": 0, "silu_mul_quant": 0}
 
 
-def test_cleanup_removes_noop_cast_and_asserts(tiny_llama):
-    model, t = traced(tiny_llama)
-    before = run(model, t)
-    targets = Counter(str(n.target) for n in t.graph_module.graph.nodes)
+class FloatOfFloat(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2).float()
+
+
+def test_cleanup_removes_noop_cast_and_asserts():
+    """`.float()` of an fp32 tensor: export leaves a metadata assert and a same-dtype cast, cleanup drops both."""
+    x = torch.randn(3, 5)
+    gm = torch.export.export(FloatOfFloat(), (x,)).module()
+    targets = Counter(str(n.target) for n in gm.graph.nodes)
     assert targets["aten._assert_tensor_metadata.default"] == 1 and targets["aten.to.dtype"] == 1
-    assert apply(t, "cleanup")["cleanup"] >= 2
-    targets = Counter(str(n.target) for n in t.graph_module.graph.nodes)
+    assert run_passes(gm, ["cleanup"])[0].matches >= 2
+    targets = Counter(str(n.target) for n in gm.graph.nodes)
     assert targets["aten._assert_tensor_metadata.default"] == 0 and targets["aten.to.dtype"] == 0
-    assert_same_outputs(before, run(model, t))
+    torch.testing.assert_close(gm(x), x * 2)
 
 
 def test_cleanup_keeps_cache_writes_without_users(tiny_llama):
@@ -352,6 +358,6 @@ def test_user_pass_registers_and_runs(tiny_llama):
         assert "count_linears" in [p.name for p in ac.list_passes()]
         assert resolve_pipeline("+count_linears")[-2:] == ["count_linears", "cleanup"]
         _, t = traced(tiny_llama)
-        assert apply(t, "count_linears") == {"count_linears": 4 * 2 + 1}
+        assert apply(t, "count_linears") == {"count_linears": 4 * 2}  # 4 projections a layer (the LM head: `logits`)
     finally:
         ac.unregister_pass("count_linears")
