@@ -125,6 +125,18 @@ for block, group in [(1024, 1024), (1024, 128), (4096, 128), (64, 64)]:
     pointers = {"x_ptr": BF16, "res_ptr": BF16, "w_ptr": BF16, "out_ptr": FP8, "sum_ptr": BF16}
     dtypes = {"NORM_DTYPE": tl.bfloat16, "OUT_DTYPE": tl.bfloat16}
     build(norm._rms_norm_kernel, pointers, {**dtypes, "HAS_RESIDUAL": True, "QUANT": True, **rows}, num_warps=4)
+# a model's final norm over the rows a step samples (gathered by the kernel)
+gather = {"x_ptr": BF16, "res_ptr": BF16, "w_ptr": BF16, "out_ptr": BF16, "rows_ptr": I64}
+gather_constexprs = {
+    "NORM_DTYPE": tl.bfloat16,
+    "OUT_DTYPE": tl.bfloat16,
+    "HAS_RESIDUAL": True,
+    "QUANT": False,
+    "BLOCK": 4096,
+    "GROUP": 4096,
+    "GATHER": True,
+}
+build(norm._rms_norm_kernel, gather, gather_constexprs, num_warps=8)
 
 for splits in (1, 75):  # one slice a row (no merge), and Qwen3's 151,936-wide rows
     sample = {"SPLITS": splits, "SPLITS_P": triton.next_power_of_2(splits), "QUARTER": sampling.NOISE_QUARTER}
@@ -196,6 +208,8 @@ gated_loop = {**weight_only, "PROLOGUE": gemm.RMS_NORM, "GATED": True}
 loop_ptx.append(build(gemm._skinny_mm_kernel, fp8_weight, gated_loop, num_warps=2))
 bf16_loop = {**weight_only, "SCALED": False, "PROLOGUE": gemm.NO_PROLOGUE}
 loop_ptx.append(build(gemm._skinny_mm_kernel, bf16_gemm, bf16_loop, num_warps=2))
+# the LM head's: fp32 logits rounded to bf16 first
+loop_ptx.append(build(gemm._skinny_mm_kernel, {**bf16_gemm, "out_ptr": "*fp32"}, {**bf16_loop, "ROUND_TO_X": True}))
 # the pipelined GEMV lets the next kernel launch once, after asking for its last weight tile
 for ptx in loop_ptx:
     assert ptx.count("griddepcontrol.launch_dependents") == 1

@@ -258,6 +258,7 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
         "rms_norm_linear",
         "silu_mul_linear",
         "gated_mlp",
+        "final_norm_rows",
         "qk_norm_rope_cache",
         "qkv_rope_cache",
         "cleanup",

@@ -195,7 +195,7 @@ def test_linear_fusions(model, request):
     assert after_ops["atom.fused_add_rms_norm_linear.default"] == 2 * layers - 1
     assert after_ops["atom.silu_and_mul_linear.default"] == layers
     assert after_ops["atom.silu_and_mul.default"] == 0
-    assert after_ops["atom.linear.default"] == before_ops["atom.linear.default"] - 3 * layers  # o_proj, lm_head stay
+    assert after_ops["atom.linear.default"] == before_ops["atom.linear.default"] - 3 * layers  # o_proj stays
     # the final norm feeds the LM head through the logits gather: left alone; Qwen3's per-head QK norms too
     assert after_ops["atom.fused_add_rms_norm.default"] == 1
     assert after_ops["atom.rms_norm.default"] == before_ops["atom.rms_norm.default"] - 1
@@ -246,6 +246,43 @@ def test_gated_mlp_leaves_a_sum_used_before_the_down_projection():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_final_norm_rows(model, request):
+    """The final norm and the gather of the rows a step samples become one op, for a prefill and for one token."""
+    model, t = traced(request.getfixturevalue(model))
+    before_ops, before, before_one = ops(t.graph_module), run(model, t), run(model, t, tokens=1)
+    assert apply(t, "final_norm_rows") == {"final_norm_rows": 1}
+    after_ops = ops(t.graph_module)
+    assert after_ops["atom.fused_add_rms_norm_rows.default"] == 1
+    assert after_ops["atom.fused_add_rms_norm.default"] == before_ops["atom.fused_add_rms_norm.default"] - 1
+    targets = {str(n.target) for n in t.graph_module.graph.nodes}
+    assert "aten.index_select.default" not in targets
+    assert_same_outputs(before, run(model, t))
+    assert_same_outputs(before_one, run(model, t, tokens=1))
+
+
+def norm_then_rows(sum_used: bool) -> torch.fx.GraphModule:
+    """fused_add_rms_norm -> index_select of rows; optionally the residual sum is an output too."""
+    graph = torch.fx.Graph()
+    x, residual, norm_weight, rows = (graph.placeholder(name) for name in ("x", "residual", "norm_weight", "rows"))
+    norm = graph.call_function(torch.ops.atom.fused_add_rms_norm.default, (x, residual, norm_weight, 1e-6))
+    normed, summed = (graph.call_function(operator.getitem, (norm, i)) for i in (0, 1))
+    selected = graph.call_function(torch.ops.aten.index_select.default, (normed, 0, rows))
+    graph.output((selected, summed) if sum_used else selected)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_final_norm_rows_leaves_a_norm_whose_sum_is_used():
+    inputs = (torch.randn(5, 8), torch.randn(5, 8), torch.randn(8), torch.tensor([4, 1]))
+    gm = norm_then_rows(sum_used=False)
+    before = gm(*inputs)
+    assert run_passes(gm, ["final_norm_rows"])[0].matches == 1
+    assert ops(gm) == Counter({"atom.fused_add_rms_norm_rows.default": 1})
+    torch.testing.assert_close(gm(*inputs), before, rtol=1e-6, atol=1e-6)
+    # the sum is the next residual where anything uses it: a norm over a few rows would not produce it
+    assert run_passes(norm_then_rows(sum_used=True), ["final_norm_rows"])[0].matches == 0
+
+
 def norm_then_linear(sum_used_before_linear: bool = False) -> torch.fx.GraphModule:
     """fused_add_rms_norm -> linear, written with keyword arguments; optionally the residual sum is used before it."""
     graph = torch.fx.Graph()
@@ -281,15 +318,21 @@ def test_quant_passes_do_not_match_unquantized_model(tiny_llama):
     assert apply(t, "rms_norm_quant", "silu_mul_quant") == {"rms_norm_quant": 0, "silu_mul_quant": 0}
 
 
-def test_cleanup_removes_noop_cast_and_asserts(tiny_llama):
-    model, t = traced(tiny_llama)
-    before = run(model, t)
-    targets = Counter(str(n.target) for n in t.graph_module.graph.nodes)
+class FloatOfFloat(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2).float()
+
+
+def test_cleanup_removes_noop_cast_and_asserts():
+    """`.float()` of an fp32 tensor: export leaves a metadata assert and a same-dtype cast, cleanup drops both."""
+    x = torch.randn(3, 5)
+    gm = torch.export.export(FloatOfFloat(), (x,)).module()
+    targets = Counter(str(n.target) for n in gm.graph.nodes)
     assert targets["aten._assert_tensor_metadata.default"] == 1 and targets["aten.to.dtype"] == 1
-    assert apply(t, "cleanup")["cleanup"] >= 2
-    targets = Counter(str(n.target) for n in t.graph_module.graph.nodes)
+    assert run_passes(gm, ["cleanup"])[0].matches >= 2
+    targets = Counter(str(n.target) for n in gm.graph.nodes)
     assert targets["aten._assert_tensor_metadata.default"] == 0 and targets["aten.to.dtype"] == 0
-    assert_same_outputs(before, run(model, t))
+    torch.testing.assert_close(gm(x), x * 2)
 
 
 def test_cleanup_keeps_cache_writes_without_users(tiny_llama):
@@ -320,6 +363,7 @@ def test_pipeline_edits():
         "rms_norm_linear",
         "silu_mul_linear",
         "gated_mlp",
+        "final_norm_rows",
         "qk_norm_rope_cache",
     ]
     assert resolve_pipeline(None) == [*default, "rope_cache", "qkv_rope_cache", "cleanup"]
@@ -340,6 +384,6 @@ def test_user_pass_registers_and_runs(tiny_llama):
         assert "count_linears" in [p.name for p in ac.list_passes()]
         assert resolve_pipeline("+count_linears")[-2:] == ["count_linears", "cleanup"]
         _, t = traced(tiny_llama)
-        assert apply(t, "count_linears") == {"count_linears": 4 * 2 + 1}
+        assert apply(t, "count_linears") == {"count_linears": 4 * 2}  # 4 projections a layer (the LM head: `logits`)
     finally:
         ac.unregister_pass("count_linears")

@@ -29,11 +29,12 @@ from atom_models.ops.attention import (
 from atom_models.ops.linear import (
     fused_add_rms_norm_linear_reference,
     linear_reference,
+    logits_reference,
     rms_norm_linear_reference,
     silu_and_mul_linear_reference,
 )
 from atom_models.ops.mlp import fused_add_rms_norm_mlp_reference
-from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from atom_models.ops.norm import fused_add_rms_norm_reference, fused_add_rms_norm_rows_reference, rms_norm_reference
 from atom_models.ops.quant import (
     FP8_DTYPE,
     expand_group_scale,
@@ -158,6 +159,17 @@ def test_fused_add_rms_norm(shape):
         *quantized_ref, summed_ref = fused_add_rms_norm_quant_fp8_reference(x, res, w, 1e-5, group)
         assert_fp8_close(tuple(quantized), tuple(quantized_ref), group)
         assert_close(summed, summed_ref)
+
+
+@pytest.mark.parametrize("shape", [shape for shape in NORM_SHAPES if len(shape) == 2])
+def test_fused_add_rms_norm_rows(shape):
+    """A model's final norm over the rows a step samples: one, all in reverse, repeated ones, none."""
+    x, res, w = randn(*shape), randn(*shape), randn(shape[-1])
+    n = shape[0]
+    for rows in ([n - 1], list(range(n))[::-1], [0, n - 1, 0], []):
+        rows = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+        out = norm.fused_add_rms_norm_rows(x, res, w, 1e-5, rows)
+        assert_close(out, fused_add_rms_norm_rows_reference(x, res, w, 1e-5, rows))
 
 
 def test_rms_norm_strided_rows():
@@ -446,6 +458,20 @@ def test_linear_dispatch(m):
     dtype = torch.bfloat16 if CUDA or m == 1 else torch.float32
     x, w = randn(1, m, 136, dtype=dtype), randn(40, 136, dtype=dtype, scale=0.05)
     assert_close(gemm.linear(x, w, None), linear_reference(x, w, None), tol=1e-2)
+
+
+@pytest.mark.parametrize("m,config", LINEAR_CONFIGS[:3] + ([(5, None), (300, None)] if CUDA else []))
+def test_logits(m, config):
+    """The LM head's fp32 logits: each one x's dtype (bf16) rounded, as `linear` then `.float()`; the one-token GEMV
+    on CPU (split, weight-first and pipelined configs), MMAs and cuBLAS on the GPU."""
+    x, w = randn(m, 136, dtype=torch.bfloat16), randn(300, 136, dtype=torch.bfloat16, scale=0.05)
+    if config is None:
+        out = gemm.logits(x, w)
+    else:
+        out = gemm.run_skinny_mm(x, None, w, None, None, torch.float32, (1, 136), config, round_to_x=True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, out.bfloat16().float(), rtol=0, atol=0)  # rounded to bf16 values
+    assert_close(out, logits_reference(x, w), tol=1e-2)
 
 
 def mlp_case(m: int, hidden: int, inter: int, fp8_gate_up: bool, fp8_down: bool, dtype: torch.dtype = DTYPE):

@@ -30,11 +30,16 @@ from atom_models.ops.activation import silu_and_mul_reference
 from atom_models.ops.linear import (
     fused_add_rms_norm_linear_reference,
     linear_reference,
+    logits_reference,
     rms_norm_linear_reference,
     silu_and_mul_linear_reference,
 )
 from atom_models.ops.mlp import Projections
-from atom_models.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from atom_models.ops.norm import (
+    fused_add_rms_norm_reference,
+    fused_add_rms_norm_rows_reference,
+    rms_norm_reference,
+)
 from atom_models.ops.rotary import rotary_embedding_reference
 
 FORMATS = {"cpu": "aoti", "cuda": "inductor"}
@@ -57,17 +62,19 @@ def inductor_decompositions() -> dict:
 
 
 def cpu_decompositions() -> dict:
-    """The projections, fused or not, as their references in a CPU piece.
+    """The projections, fused or not, and the final norm over the sampled rows, as their references in a CPU piece.
 
     On CPU the ops always run their references; inside an AOTInductor package an op would be a call
     back into Python for every projection (25-40 us each), where Inductor's own GEMM needs none.
     """
     return {
         torch.ops.atom.linear.default: linear_reference,
+        torch.ops.atom.logits.default: logits_reference,
         torch.ops.atom.rms_norm_linear.default: rms_norm_linear_reference,
         torch.ops.atom.fused_add_rms_norm_linear.default: fused_add_rms_norm_linear_reference,
         torch.ops.atom.silu_and_mul_linear.default: silu_and_mul_linear_reference,
         torch.ops.atom.fused_add_rms_norm_mlp.default: _mlp_as_projections,
+        torch.ops.atom.fused_add_rms_norm_rows.default: fused_add_rms_norm_rows_reference,
     }
 
 

@@ -2,6 +2,7 @@
 
 from atom_compile.passes import (  # noqa: F401
     cleanup,
+    final_norm_rows,
     fp8_linear,
     gated_mlp,
     qk_norm_rope_cache,

@@ -46,6 +46,7 @@ DEFAULT_PIPELINE = [
     "rms_norm_linear",
     "silu_mul_linear",
     "gated_mlp",
+    "final_norm_rows",
     "qk_norm_rope_cache",
     "rope_cache",
     "qkv_rope_cache",

@@ -29,4 +29,4 @@ class LMHead(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: Tensor, logits_indices: Tensor) -> Tensor:
-        return torch.ops.atom.linear(hidden.index_select(0, logits_indices), self.weight, None).float()
+        return torch.ops.atom.logits(hidden.index_select(0, logits_indices), self.weight)

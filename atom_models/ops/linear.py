@@ -37,6 +37,23 @@ def linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+@torch.library.custom_op("atom::logits", mutates_args=())
+def logits(x: Tensor, weight: Tensor) -> Tensor:
+    """The LM head: `x @ weight^T` in x's dtype, as fp32 (what a step samples from), written by one kernel where the
+    projection and the conversion were two."""
+    return implementation("logits", x.device)(x, weight)
+
+
+@logits.register_fake
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+@register_impl("logits", "torch")
+def logits_reference(x: Tensor, weight: Tensor) -> Tensor:
+    return F.linear(x, weight).float()
+
+
 @torch.library.custom_op("atom::rms_norm_linear", mutates_args=())
 def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
     """linear(rms_norm(x, norm_weight, eps), weight, bias)."""

@@ -535,6 +535,7 @@ def _skinny_mm_kernel(
     ONE_TRIP: tl.constexpr,
     GATED: tl.constexpr,
     ONE_WAVE: tl.constexpr,
+    ROUND_TO_X: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROPE_CACHE: tl.constexpr = False,
     HEAD_DIM: tl.constexpr = 2,
@@ -696,6 +697,8 @@ def _skinny_mm_kernel(
             cols = pid_n * HALF + tl.arange(0, HALF)
             tl.store(out_ptr + cols, (silu(gate).to(dtype).to(tl.float32) * up).to(dtype), mask=cols < N // 2)
         else:
+            if ROUND_TO_X:
+                acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
             out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
@@ -712,6 +715,7 @@ def run_skinny_mm(
     prologue: RMSNormPrologue | SiluMulPrologue | None = None,
     gated: bool = False,
     rope_cache: RopeCacheEpilogue | None = None,
+    round_to_x: bool = False,
 ) -> Tensor:
     """`run_scaled_mm` for at most SKINNY_MAX_M tokens (same arguments), through `_skinny_mm_kernel`.
 
@@ -719,7 +723,8 @@ def run_skinny_mm(
     take a prologue (x is then [..., 2K] for SiLU·mul; an RMSNorm prologue's residual has x's shape). One
     unquantized token (x_scale None) may also go through an fp8 weight with per-row scales: weight-only.
     `gated` (one token): w is [gate; up] and the output SiLU(gate) * up, half w's rows wide. `rope_cache` (one
-    token): w is [q; k; v] and the output the rotated q, the k and v heads going to the cache.
+    token): w is [q; k; v] and the output the rotated q, the k and v heads going to the cache. `round_to_x`: the
+    output rounds to x's dtype before it is stored as `out_dtype` (the LM head's fp32 logits).
     """
     if x_scale is not None and w_scale is None:
         raise ValueError("the skinny GEMM takes activation scales only with weight scales (fp8)")
@@ -814,6 +819,7 @@ def run_skinny_mm(
             ONE_TRIP=weight_first and config.max_registers is not None,  # a capped weight-first config: its one tile
             GATED=gated,
             **rope.constants,
+            ROUND_TO_X=round_to_x,
             # where it changes anything: a pipelined GEMV under PDL
             ONE_WAVE=pdl["USE_PDL"]
             and not (weight_first or config.dot)
@@ -896,6 +902,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if _skinny_linear(x, weight):
         return run_skinny_mm(x, None, weight, None, bias, x.dtype, (1, weight.shape[1]))
     return F.linear(x, weight, bias)
+
+
+@register_impl("logits", "triton")
+def logits(x: Tensor, weight: Tensor) -> Tensor:
+    """The skinny GEMM writes the fp32 logits itself, each rounded to x's dtype first (as `linear` then `.float()`)."""
+    if _skinny_linear(x, weight):
+        return run_skinny_mm(x, None, weight, None, None, torch.float32, (1, weight.shape[1]), round_to_x=True)
+    return F.linear(x, weight).float()
 
 
 # The fused linears take the prologue for one token only, in the CUDA-core GEMV; at 2 to 16 they run the op
