@@ -676,6 +676,7 @@ def test_qkv_rope_and_cache(tokens, fp8, residual, cache_dtype):
     dtype = DTYPE if fp8 or CUDA else torch.float16  # bf16/fp16 weights take the GEMV; the interpreter's fp16 is right
     args = qkv_case(tokens, 71, 3, 1, 16, fp8, residual, cache_dtype, dtype)
     check_qkv_rope_and_cache(args, 2e-2)
+    check_qkv_rope_and_cache(qkv_case(tokens, 40, 2, 1, 12, fp8, residual, cache_dtype, dtype), 2e-2)  # tiles of 4
     if tokens == 1:  # padding: nothing written
         args[11].fill_(-1)
         check_qkv_rope_and_cache(args, 2e-2)

@@ -9,7 +9,8 @@ for padding that must not be written.
 
 `unified_attention` writes the new keys/values and then attends: it is what models call.
 The rope/QK-norm fusion pass moves the write into `rope_and_cache` /
-`qk_norm_rope_and_cache` and leaves `paged_attention`, which only reads the cache.
+`qk_norm_rope_and_cache` and leaves `paged_attention`, which only reads the cache; for Llama the
+`qkv_rope_cache` pass then folds the qkv projection in front into `qkv_rope_and_cache`.
 
 FP8 KV cache (`--kv-cache-dtype fp8`): a float8_e4m3fn cache holds k / k_scale and v / v_scale,
 saturated at ±448, and attention reads k * k_scale, v * v_scale. The scales are per tensor (one

@@ -25,6 +25,7 @@ multiprocessors, 20.6 us against an 11.2 us roofline); `benchmarks/bench_gemm.py
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -589,7 +590,8 @@ def _skinny_mm_kernel(
     elif ROPE_CACHE:  # rows r < HALF of a head's first half, the rest their partners HEAD_DIM / 2 on
         rows = tl.arange(0, BLOCK_N)
         head = pid_n // (HEAD_DIM // BLOCK_N)
-        pair = (pid_n % (HEAD_DIM // BLOCK_N)) * HALF + rows % HALF
+        first_pair = (pid_n % (HEAD_DIM // BLOCK_N)) * HALF
+        pair = first_pair + rows % HALF
         offs_n = head * HEAD_DIM + pair + (rows // HALF) * (HEAD_DIM // 2)
         n_ok = offs_n < N
         # the step's position and slot and the cos/sin table: nothing the kernel before writes (see
@@ -676,7 +678,7 @@ def _skinny_mm_kernel(
                 acc,
                 cos_sin,
                 head,
-                pid_n % (HEAD_DIM // BLOCK_N) * HALF,
+                first_pair,
                 slot,
                 out_ptr,
                 k_cache_ptr,
@@ -753,8 +755,8 @@ def run_skinny_mm(
     if rope_cache is not None:
         if config.dot or n % head_dim or head_dim % 2:
             raise ValueError(f"the RoPE epilogue takes one token and whole heads of {head_dim}, got {m} and {n} rows")
-        # a program holds pairs of one head (whole tiles of it), and writes them whole (no split of K)
-        config = dataclasses.replace(config, block_n=min(max(2, config.block_n), head_dim), split_k=1)
+        # a program holds pairs of one head (a tile divides it), and writes them whole (no split of K)
+        config = dataclasses.replace(config, block_n=math.gcd(max(2, config.block_n), head_dim), split_k=1)
     residual = norm_weight = summed = None
     if isinstance(prologue, RMSNormPrologue):
         if config.split_k > 1:  # each program needs the squares of the whole row
