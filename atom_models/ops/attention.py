@@ -263,24 +263,9 @@ class QKVRopeCache:
     add_norm_fp8_linear: Callable  # fused_add_rms_norm_fp8_linear
     rope_and_cache: Callable
 
-    def __call__(
-        self,
-        x,
-        residual,
-        norm_weight,
-        eps,
-        weight,
-        weight_scale,
-        bias,
-        out_dtype,
-        positions,
-        cos_sin_cache,
-        kv_cache,
-        slot_mapping,
-        num_q_heads,
-        k_scale=None,
-        v_scale=None,
-    ):
+    def __call__(self, *args) -> tuple[Tensor, Tensor]:
+        x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype, *rope_args = args  # the op's, in order
+        positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale = rope_args
         fp8 = (weight_scale, bias, out_dtype) if weight_scale is not None else (bias,)
         summed = x.new_empty(0)
         if residual is None:

@@ -1010,46 +1010,16 @@ _qkv_then_rope = QKVRopeCache(
 
 
 @register_impl("qkv_rope_and_cache", "triton")
-def qkv_rope_and_cache(
-    x,
-    residual,
-    norm_weight,
-    eps,
-    weight,
-    weight_scale,
-    bias,
-    out_dtype,
-    positions,
-    cos_sin_cache,
-    kv_cache,
-    slot_mapping,
-    num_q_heads,
-    k_scale=None,
-    v_scale=None,
-) -> tuple[Tensor, Tensor]:
+def qkv_rope_and_cache(*args) -> tuple[Tensor, Tensor]:
     """One token into a contiguous cache of plain or e4m3 entries: the qkv GEMV (norm prologue) rotates q and k and
     writes k and v to the cache in its epilogue. Otherwise the fused projection op, then `rope_and_cache`."""
+    x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype, *rope_args = args  # the op's, in its order
+    positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale = rope_args
     head_dim = kv_cache.shape[-1]
     gemv = weight_scale is not None or _skinny_linear(x, weight, FUSED_LINEAR_MAX_M)
     epilogue = kv_cache.is_contiguous() and not inline_scales(kv_cache) and cos_sin_cache.shape[-1] == head_dim
     if not (one_token(x) and gemv and epilogue):
-        return _qkv_then_rope(
-            x,
-            residual,
-            norm_weight,
-            eps,
-            weight,
-            weight_scale,
-            bias,
-            out_dtype,
-            positions,
-            cos_sin_cache,
-            kv_cache,
-            slot_mapping,
-            num_q_heads,
-            k_scale,
-            v_scale,
-        )
+        return _qkv_then_rope(*args)
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
     prologue = RMSNormPrologue(norm_weight, eps, residual, summed if residual is not None else None)
     rope = RopeCacheEpilogue(positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale)
