@@ -93,9 +93,11 @@ def test_qkv_rope_cache_on_llama(tiny_llama, quantization):
 
 
 def test_qkv_rope_cache_leaves_qk_norm_and_unfused_projections(tiny_llama, tiny_qwen3):
-    """Qwen3's QK norm keeps its kernel; a qkv projection without its norm fused (pass off) is left alone."""
+    """A QK norm between the projection and RoPE keeps them apart (Qwen3, with its own fusion off so `rope_cache`
+    makes the rope_and_cache); a qkv projection without its norm fused (pass off) is left alone."""
     _, t = traced(tiny_qwen3)
-    assert apply(t, *resolve_pipeline("-cleanup"))["qkv_rope_cache"] == 0
+    matches = apply(t, *resolve_pipeline("-qk_norm_rope_cache,-cleanup"))
+    assert matches["rope_cache"] > 0 and matches["qkv_rope_cache"] == 0
     _, t = traced(tiny_llama)
     assert apply(t, *resolve_pipeline("-rms_norm_linear,-cleanup"))["qkv_rope_cache"] == 0
 

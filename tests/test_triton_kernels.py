@@ -655,9 +655,13 @@ def qkv_case(tokens, hidden, q_heads, kv_heads, head_dim, fp8, residual, cache_d
     )
 
 
-def check_qkv_rope_and_cache(args, tol):
+def check_qkv_rope_and_cache(args, tol, monkeypatch):
+    """The Triton op against its reference; one token must take the GEMV's epilogue, not the composition."""
+    if args[0].shape[0] == 1:
+        monkeypatch.setattr(gemm, "_qkv_then_rope", lambda *_: pytest.fail("one token took the composition"))
     expected = args[10].clone()
     q, summed = gemm.qkv_rope_and_cache(*args)
+    monkeypatch.undo()
     q_ref, summed_ref = qkv_rope_and_cache_reference(*args[:10], expected, *args[11:])
     assert_close(q, q_ref, tol)
     assert summed.shape == summed_ref.shape and torch.equal(summed, summed_ref)  # the sum rounds as torch's add
@@ -668,28 +672,40 @@ def check_qkv_rope_and_cache(args, tol):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_qkv_rope_and_cache(tokens, fp8, residual, cache_dtype):
+def test_qkv_rope_and_cache(tokens, fp8, residual, cache_dtype, monkeypatch):
     """The qkv GEMV with RoPE and the cache write in its epilogue (one token; the slot of a padding token, -1, is
-    left alone), and the fused projection op then `rope_and_cache` for more; odd sizes (3 q heads, 7 of hidden)."""
+    left alone), and the fused projection op then `rope_and_cache` for more; odd sizes (3 q heads, hidden 71)."""
     if tokens > 1 and fp8 and not CUDA:
         pytest.skip("FP8 projections of several tokens run scaled_mm, which needs a GPU")
     dtype = DTYPE if fp8 or CUDA else torch.float16  # bf16/fp16 weights take the GEMV; the interpreter's fp16 is right
     args = qkv_case(tokens, 71, 3, 1, 16, fp8, residual, cache_dtype, dtype)
-    check_qkv_rope_and_cache(args, 2e-2)
-    check_qkv_rope_and_cache(qkv_case(tokens, 40, 2, 1, 12, fp8, residual, cache_dtype, dtype), 2e-2)  # tiles of 4
+    check_qkv_rope_and_cache(args, 2e-2, monkeypatch)
+    twelve_wide = qkv_case(tokens, 40, 2, 1, 12, fp8, residual, cache_dtype, dtype)  # tiles of 4 rows a program
+    check_qkv_rope_and_cache(twelve_wide, 2e-2, monkeypatch)
     if tokens == 1:  # padding: nothing written
         args[11].fill_(-1)
-        check_qkv_rope_and_cache(args, 2e-2)
+        check_qkv_rope_and_cache(args, 2e-2, monkeypatch)
+
+
+def test_qkv_rope_epilogue_refuses_what_it_cannot_write():
+    """Heads that do not add up to the weight's rows, and a second epilogue, are errors, not silent writes."""
+    x, residual, g, eps, w, scale, bias, out_dtype, *rope_args = qkv_case(1, 71, 3, 1, 16, True, True, DTYPE, DTYPE)
+    positions, table, cache, slots, q_heads, *_ = rope_args
+    prologue = gemm.RMSNormPrologue(g, eps, residual, torch.empty_like(x))
+    for heads, gated in ((2, False), (q_heads, True)):
+        rope = gemm.RopeCacheEpilogue(positions, table, cache, slots, heads)
+        with pytest.raises(ValueError, match="RoPE epilogue|one epilogue"):
+            gemm.run_skinny_mm(x, None, w, scale, bias, DTYPE, (1, 71), prologue=prologue, rope_cache=rope, gated=gated)
 
 
 @gpu_only
 @pytest.mark.parametrize("hidden,q_heads,kv_heads,head_dim", [(4096, 32, 8, 128), (1024, 16, 8, 128), (512, 8, 2, 64)])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_qkv_rope_and_cache_gpu_shapes(hidden, q_heads, kv_heads, head_dim, fp8, cache_dtype):
+def test_qkv_rope_and_cache_gpu_shapes(hidden, q_heads, kv_heads, head_dim, fp8, cache_dtype, monkeypatch):
     """Llama-3-8B's attention front (pipelined GEMV), smaller ones (weight-first GEMVs) and head_dim 64."""
     args = qkv_case(1, hidden, q_heads, kv_heads, head_dim, fp8, True, cache_dtype, DTYPE, block_size=16)
-    check_qkv_rope_and_cache(args, 2e-2)
+    check_qkv_rope_and_cache(args, 2e-2, monkeypatch)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)

@@ -71,26 +71,22 @@ def match_qkv_rope(node: Node) -> Match | None:
     if any(h is None for h in heads) or [i for _, i in heads] != [0, 1, 2] or len({s for s, _ in heads}) != 1:
         return None
     split = heads[0][0]
-    if not is_call(split, op("aten.split_with_sizes.default")) or len(split.users) != 3 or split.args[2] not in (-1, 1):
+    if not is_call(split, op("aten.split_with_sizes.default")) or len(split.users) != 3:
         return None
-    head_dim = q.meta["val"].shape[-1]
+    source, sizes, dim = call_args(split)
+    (_, q_heads, head_dim), width = q.meta["val"].shape, source.meta["val"].dim()
+    if dim % width != width - 1 or len(sizes) != 3 or sizes[0] != q_heads * head_dim or sizes[1] != sizes[2]:
+        return None  # not [q | k | v] along the last dimension
     if cos_sin.meta["val"].shape[-1] != head_dim:  # partial rotary: not what the epilogue rotates
         return None
-    source = split.args[0]
-    outputs = None
-    if source.op == "call_function" and source.target is operator.getitem and source.args[1] == 0:
-        projection, outputs = source.args[0], getitem_users(source.args[0])
-        kinds = _projection(projection)
-        if outputs is None or kinds is None or not kinds[0]:
-            return None
-        if 1 in outputs and used_between(outputs[1], projection, node):
-            return None  # the fused op stands where the rope is: the sum is not there before it
-    else:
-        projection = source
-        if _projection(projection) is None or _projection(projection)[0]:
-            return None
-    if len(source.users) != 1:
+    item = source.op == "call_function" and source.target is operator.getitem and source.args[1] == 0
+    projection = source.args[0] if item else source
+    outputs = getitem_users(projection) if item else None  # (qkv, residual sum) of a projection with a residual
+    kinds = _projection(projection)
+    if kinds is None or kinds[0] != item or (item and outputs is None) or len(source.users) != 1:
         return None
+    if outputs and 1 in outputs and used_between(outputs[1], projection, node):
+        return None  # the fused op stands where the rope is: the sum is not there before it
     chain = [split, *(view.args[0] for view in (q, k, v)), q, k, v]
     return Match(node, projection, outputs, chain)
 

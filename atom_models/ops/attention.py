@@ -266,14 +266,14 @@ class QKVRopeCache:
     def __call__(self, *args) -> tuple[Tensor, Tensor]:
         x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype, *rope_args = args  # the op's, in order
         positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale = rope_args
-        fp8 = (weight_scale, bias, out_dtype) if weight_scale is not None else (bias,)
+        rest = (weight_scale, bias, out_dtype) if weight_scale is not None else (bias,)  # the projection's last
         summed = x.new_empty(0)
         if residual is None:
             project = self.norm_linear if weight_scale is None else self.norm_fp8_linear
-            qkv = project(x, norm_weight, eps, weight, *fp8)
+            qkv = project(x, norm_weight, eps, weight, *rest)
         else:
             project = self.add_norm_linear if weight_scale is None else self.add_norm_fp8_linear
-            qkv, summed = project(x, residual, norm_weight, eps, weight, *fp8)
+            qkv, summed = project(x, residual, norm_weight, eps, weight, *rest)
         head_dim = kv_cache.shape[-1]
         q_width, kv_width = num_q_heads * head_dim, (qkv.shape[-1] - num_q_heads * head_dim) // 2
         q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv.split([q_width, kv_width, kv_width], -1))

@@ -593,12 +593,12 @@ def _skinny_mm_kernel(
         first_pair = (pid_n % (HEAD_DIM // BLOCK_N)) * HALF
         pair = first_pair + rows % HALF
         offs_n = head * HEAD_DIM + pair + (rows // HALF) * (HEAD_DIM // 2)
-        n_ok = offs_n < N
+        n_ok = offs_n < N  # all rows (tiles divide whole heads)
         # the step's position and slot and the cos/sin table: nothing the kernel before writes (see
         # `wait_for_previous_kernel`), so their round trips happen while it may still run
-        cos_sin = cos_sin_ptr + tl.load(pos_ptr).to(tl.int64) * stride_cos + pair
+        cos_sin_row = cos_sin_ptr + tl.load(pos_ptr).to(tl.int64) * stride_cos
         slot = tl.load(slot_ptr).to(tl.int64)
-        cos_sin = tl.load(cos_sin + (rows // HALF) * (HEAD_DIM // 2))  # [cos; sin] of the pairs
+        cos_sin = tl.load(cos_sin_row + pair + (rows // HALF) * (HEAD_DIM // 2))  # [cos; sin] of the pairs
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -746,6 +746,8 @@ def run_skinny_mm(
         raise ValueError("an unquantized x through an fp8 weight runs in the one-token GEMV, not in the MMA")
     if prologue is not None and config.dot:
         raise ValueError("the skinny GEMM's prologues run in the one-token GEMV, not in the MMA")
+    if gated + (rope_cache is not None) + round_to_x > 1:
+        raise ValueError("the skinny GEMM takes one epilogue: gated, rope_cache or round_to_x")
     if gated:
         if config.dot or n % 2:
             raise ValueError(f"the gated GEMV takes one token and an even number of weight rows, got {m} and {n}")
@@ -753,8 +755,12 @@ def run_skinny_mm(
         config = dataclasses.replace(config, block_n=max(2, config.block_n), split_k=1)
     head_dim = rope_cache.kv_cache.shape[-1] if rope_cache is not None else 2
     if rope_cache is not None:
-        if config.dot or n % head_dim or head_dim % 2:
-            raise ValueError(f"the RoPE epilogue takes one token and whole heads of {head_dim}, got {m} and {n} rows")
+        heads = rope_cache.num_q_heads + 2 * rope_cache.kv_cache.shape[-2]
+        if config.dot or n != heads * head_dim or head_dim % 2 or not rope_epilogue_fits(rope_cache):
+            raise ValueError(
+                f"the RoPE epilogue takes one token, {heads} heads of {head_dim} rows and a contiguous cache of e4m3 "
+                f"or plain entries with full-width RoPE; got {m} tokens and {n} rows"
+            )
         # a program holds pairs of one head (a tile divides it), and writes them whole (no split of K)
         config = dataclasses.replace(config, block_n=math.gcd(max(2, config.block_n), head_dim), split_k=1)
     residual = norm_weight = summed = None
@@ -771,7 +777,9 @@ def run_skinny_mm(
             if residual.shape != x.shape:
                 raise ValueError("the RMSNorm prologue's residual must have x's shape")
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
-    width = n // 2 if gated else rope_cache.num_q_heads * head_dim if rope_cache is not None else n
+    width = n // 2 if gated else n
+    if rope_cache is not None:  # the output is q, the heads before k and v
+        width = rope_cache.num_q_heads * head_dim
     out = torch.empty((m, width), dtype=out_dtype, device=x.device)
     scaled, x_scaled = ws is not None, x_scale is not None
     unused = out[:1, :1]  # for the scale pointers a launch does not read: one element, so nothing looks grouped
@@ -786,7 +794,7 @@ def run_skinny_mm(
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, n_tiles)
-    rope = _rope_cache_arguments(rope_cache, n, head_dim, unused)
+    rope = _rope_cache_arguments(rope_cache, head_dim, unused)
     if m:
         strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
         pdl = pdl_launch(x.device)
@@ -840,18 +848,22 @@ class _RopeCacheArguments:
     constants: dict
 
 
-def _rope_cache_arguments(epilogue: RopeCacheEpilogue | None, n: int, head_dim: int, unused: Tensor):
+def rope_epilogue_fits(epilogue: RopeCacheEpilogue) -> bool:
+    """Whether the GEMV can write this cache (contiguous, plain or per-tensor e4m3 entries) with this RoPE (full
+    width)."""
+    cache = epilogue.kv_cache
+    return cache.is_contiguous() and not inline_scales(cache) and epilogue.cos_sin_cache.shape[-1] == cache.shape[-1]
+
+
+def _rope_cache_arguments(epilogue: RopeCacheEpilogue | None, head_dim: int, unused: Tensor) -> _RopeCacheArguments:
     """`_skinny_mm_kernel`'s ROPE_CACHE arguments (`unused` and zeros without the epilogue)."""
     if epilogue is None:
         return _RopeCacheArguments((unused,) * 7, (0, 0, 0, 0), {})
     cache = epilogue.kv_cache
-    if not cache.is_contiguous() or inline_scales(cache) or epilogue.cos_sin_cache.shape[-1] != head_dim:
-        raise ValueError("the RoPE epilogue needs a contiguous cache of e4m3 or plain entries and full-width RoPE")
     fp8, scaled = cache.dtype == FP8_DTYPE, epilogue.k_scale is not None
     scales = (epilogue.k_scale, epilogue.v_scale) if fp8 and scaled else (unused, unused)
     pointers = (epilogue.positions, epilogue.cos_sin_cache, epilogue.slot_mapping, cache[0], cache[1], *scales)
-    num_kv_heads = (n // head_dim - epilogue.num_q_heads) // 2
-    sizes = (epilogue.num_q_heads, num_kv_heads, epilogue.cos_sin_cache.stride(0), cache.stride(2))
+    sizes = (epilogue.num_q_heads, cache.shape[-2], epilogue.cos_sin_cache.stride(0), cache.stride(2))
     constants = {"ROPE_CACHE": True, "HEAD_DIM": head_dim, "FP8_CACHE": fp8, "KV_SCALED": fp8 and scaled}
     return _RopeCacheArguments(pointers, sizes, constants)
 
@@ -1015,16 +1027,14 @@ def qkv_rope_and_cache(*args) -> tuple[Tensor, Tensor]:
     writes k and v to the cache in its epilogue. Otherwise the fused projection op, then `rope_and_cache`."""
     x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype, *rope_args = args  # the op's, in its order
     positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale = rope_args
-    head_dim = kv_cache.shape[-1]
+    rope = RopeCacheEpilogue(positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale)
     gemv = weight_scale is not None or _skinny_linear(x, weight, FUSED_LINEAR_MAX_M)
-    epilogue = kv_cache.is_contiguous() and not inline_scales(kv_cache) and cos_sin_cache.shape[-1] == head_dim
-    if not (one_token(x) and gemv and epilogue):
+    if not (one_token(x) and gemv and rope_epilogue_fits(rope)):
         return _qkv_then_rope(*args)
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
     prologue = RMSNormPrologue(norm_weight, eps, residual, summed if residual is not None else None)
-    rope = RopeCacheEpilogue(positions, cos_sin_cache, kv_cache, slot_mapping, num_q_heads, k_scale, v_scale)
     dtype = out_dtype if weight_scale is not None else x.dtype
     q = run_skinny_mm(
         x, None, weight, weight_scale, bias, dtype, (1, weight.shape[1]), prologue=prologue, rope_cache=rope
     )
-    return q.unflatten(-1, (num_q_heads, head_dim)), summed
+    return q.unflatten(-1, (num_q_heads, kv_cache.shape[-1])), summed

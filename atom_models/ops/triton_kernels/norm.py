@@ -92,6 +92,8 @@ def _rms_norm(
         torch.empty(x.shape, dtype=norm_dtype, device=x.device) if residual is not None and gather is None else None
     )
     if quant:
+        if gather is not None:
+            raise ValueError("the norm gathers rows only unquantized")
         out, scale = fp8_outputs(x, x.shape[-1], group_size)
     else:
         out, scale = torch.empty(out_shape, dtype=out_dtype, device=x.device), None
