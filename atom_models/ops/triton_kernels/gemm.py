@@ -404,6 +404,10 @@ class RopeCacheEpilogue:
     k_scale: Tensor | None = None
     v_scale: Tensor | None = None
 
+    @property
+    def head_dim(self) -> int:
+        return self.kv_cache.shape[-1]
+
 
 @triton.jit
 def _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, cols, k_ok, K, store_sum, PROLOGUE: tl.constexpr):
@@ -429,6 +433,13 @@ def _gemv_operand(x_ptr, res_ptr, g_ptr, sum_ptr, cols, k_ok, K, store_sum, PROL
     else:
         a = x.to(tl.float32)
     return a, squares
+
+
+@triton.jit
+def _row_pairs(rows, dtype, HALF: tl.constexpr):
+    """A program's 2 x HALF rows as two [HALF] vectors, row r beside row r + HALF (gate and up; a RoPE pair), each
+    rounded to `dtype` as the unfused ops' outputs are."""
+    return tl.split(tl.permute(tl.reshape(rows.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
 
 
 @triton.jit
@@ -461,8 +472,8 @@ def _rope_cache_epilogue(
     """ROPE_CACHE's epilogue: a program's HALF pairs of one head, rotated (q, k) and stored (q to q_ptr, k and v to
     their caches at `slot`, unless it is -1: padding)."""
     dtype = q_ptr.dtype.element_ty
-    x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
-    cos, sin = tl.split(tl.permute(tl.reshape(cos_sin.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
+    x1, x2 = _row_pairs(acc, dtype, HALF)
+    cos, sin = _row_pairs(cos_sin, dtype, HALF)
     cols = first_pair + tl.arange(0, HALF)
     if head < num_q_heads + num_kv_heads:  # q and k heads rotate, v heads do not
         x1, x2 = rotate_halves(x1, x2, cos, sin, dtype)
@@ -695,7 +706,7 @@ def _skinny_mm_kernel(
             )
         elif GATED:  # one token (BLOCK_M 1): [gate rows; up rows] -> SiLU(gate) * up
             dtype = out_ptr.dtype.element_ty
-            gate, up = tl.split(tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [2, HALF]), [1, 0]))
+            gate, up = _row_pairs(acc, dtype, HALF)
             cols = pid_n * HALF + tl.arange(0, HALF)
             tl.store(out_ptr + cols, (silu(gate).to(dtype).to(tl.float32) * up).to(dtype), mask=cols < N // 2)
         else:
@@ -753,9 +764,8 @@ def run_skinny_mm(
             raise ValueError(f"the gated GEMV takes one token and an even number of weight rows, got {m} and {n}")
         # a program holds matching gate and up rows, and writes the activation whole (no split of K)
         config = dataclasses.replace(config, block_n=max(2, config.block_n), split_k=1)
-    head_dim = rope_cache.kv_cache.shape[-1] if rope_cache is not None else 2
     if rope_cache is not None:
-        heads = rope_cache.num_q_heads + 2 * rope_cache.kv_cache.shape[-2]
+        head_dim, heads = rope_cache.head_dim, rope_cache.num_q_heads + 2 * rope_cache.kv_cache.shape[-2]
         if config.dot or n != heads * head_dim or head_dim % 2 or not rope_epilogue_fits(rope_cache):
             raise ValueError(
                 f"the RoPE epilogue takes one token, {heads} heads of {head_dim} rows and a contiguous cache of e4m3 "
@@ -779,7 +789,7 @@ def run_skinny_mm(
     w_q, ws = _weights(w_q, w_scale, k, scale_k, config.block_k)
     width = n // 2 if gated else n
     if rope_cache is not None:  # the output is q, the heads before k and v
-        width = rope_cache.num_q_heads * head_dim
+        width = rope_cache.num_q_heads * rope_cache.head_dim
     out = torch.empty((m, width), dtype=out_dtype, device=x.device)
     scaled, x_scaled = ws is not None, x_scale is not None
     unused = out[:1, :1]  # for the scale pointers a launch does not read: one element, so nothing looks grouped
@@ -794,7 +804,7 @@ def run_skinny_mm(
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, n_tiles)
-    rope = _rope_cache_arguments(rope_cache, head_dim, unused)
+    rope = _rope_cache_arguments(rope_cache, unused)
     if m:
         strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
         pdl = pdl_launch(x.device)
@@ -852,10 +862,10 @@ def rope_epilogue_fits(epilogue: RopeCacheEpilogue) -> bool:
     """Whether the GEMV can write this cache (contiguous, plain or per-tensor e4m3 entries) with this RoPE (full
     width)."""
     cache = epilogue.kv_cache
-    return cache.is_contiguous() and not inline_scales(cache) and epilogue.cos_sin_cache.shape[-1] == cache.shape[-1]
+    return cache.is_contiguous() and not inline_scales(cache) and epilogue.cos_sin_cache.shape[-1] == epilogue.head_dim
 
 
-def _rope_cache_arguments(epilogue: RopeCacheEpilogue | None, head_dim: int, unused: Tensor) -> _RopeCacheArguments:
+def _rope_cache_arguments(epilogue: RopeCacheEpilogue | None, unused: Tensor) -> _RopeCacheArguments:
     """`_skinny_mm_kernel`'s ROPE_CACHE arguments (`unused` and zeros without the epilogue)."""
     if epilogue is None:
         return _RopeCacheArguments((unused,) * 7, (0, 0, 0, 0), {})
@@ -864,7 +874,7 @@ def _rope_cache_arguments(epilogue: RopeCacheEpilogue | None, head_dim: int, unu
     scales = (epilogue.k_scale, epilogue.v_scale) if fp8 and scaled else (unused, unused)
     pointers = (epilogue.positions, epilogue.cos_sin_cache, epilogue.slot_mapping, cache[0], cache[1], *scales)
     sizes = (epilogue.num_q_heads, cache.shape[-2], epilogue.cos_sin_cache.stride(0), cache.stride(2))
-    constants = {"ROPE_CACHE": True, "HEAD_DIM": head_dim, "FP8_CACHE": fp8, "KV_SCALED": fp8 and scaled}
+    constants = {"ROPE_CACHE": True, "HEAD_DIM": epilogue.head_dim, "FP8_CACHE": fp8, "KV_SCALED": fp8 and scaled}
     return _RopeCacheArguments(pointers, sizes, constants)
 
 
@@ -1037,4 +1047,4 @@ def qkv_rope_and_cache(*args) -> tuple[Tensor, Tensor]:
     q = run_skinny_mm(
         x, None, weight, weight_scale, bias, dtype, (1, weight.shape[1]), prologue=prologue, rope_cache=rope
     )
-    return q.unflatten(-1, (num_q_heads, kv_cache.shape[-1])), summed
+    return q.unflatten(-1, (num_q_heads, rope.head_dim)), summed
