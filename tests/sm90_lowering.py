@@ -220,7 +220,7 @@ assert one_wave.count("griddepcontrol.launch_dependents") == 1
 assert one_wave.find("griddepcontrol.wait") < one_wave.find("griddepcontrol.launch_dependents")
 assert one_wave.find("griddepcontrol.launch_dependents") < one_wave.find("cp.async.commit_group")
 # the qkv GEMV with RoPE and the cache write in its epilogue (`qkv_rope_and_cache`): Llama-3-8B's FP8 pipelined one
-# and a small bf16 weight-first one, into bf16 and FP8 caches; the position, slot and cos/sin are read before the wait
+# and a small bf16 weight-first one, into bf16 and FP8 caches; the position and slot are read before the wait
 rope_pointers = {"pos_ptr": I64, "slot_ptr": I64}  # cos/sin and the cache scales: fp32
 for fp8_cache in (False, True):
     cache = {"k_cache_ptr": FP8 if fp8_cache else BF16, "v_cache_ptr": FP8 if fp8_cache else BF16}
@@ -231,7 +231,7 @@ for fp8_cache in (False, True):
             gemm._skinny_mm_kernel, {**weights, **rope_pointers, **cache}, {**constexprs, **rope}, num_warps=warps
         )
         before_wait = ptx[: ptx.find("griddepcontrol.wait")]
-        assert before_wait.count("ld.global.b64") == 2 and before_wait.count("ld.global.b32") >= 2
+        assert before_wait.count("ld.global.b64") == 2
         registers, spills = registers_and_spills(ptx)
         # no spills, and the pipelined one's GEMV_ONE_WAVE programs fit a multiprocessor's registers (96 a thread)
         assert spills == 0 and (constexprs["WEIGHT_FIRST"] or registers * 32 * warps * gemm.GEMV_ONE_WAVE <= 65536)
