@@ -4,7 +4,9 @@
       manifest.json        what was built, from what, for which machine; checksums of every file
       graphs/model.py      the top-level graph: calls the pieces in order
       graphs/piece_*.py    readable FX code of every distinct piece
-      compiled/piece_*.pt2 AOTInductor packages of the compiled pieces (level 3)
+      compiled/piece_*     the compiled pieces (level 3): AOTInductor packages (.pt2) on CPU, Inductor's
+                           standalone-compiled artifacts (.bin) on CUDA
+      triton_cache/        (CUDA) every Triton kernel serving launches, ours and Inductor's, compiled at export
       weights/             the weights (with --weights copy); otherwise the manifest references the
                            source checkpoint by path and content fingerprint
       config.json, tokenizer files, chat template
@@ -40,8 +42,8 @@ TOKENIZER_FILES = (
 )
 
 
-class ArtifactError(RuntimeError):
-    """The artifact cannot be used: missing, corrupted, or built for another machine."""
+class ArtifactError(ValueError):
+    """The artifact cannot be used: missing, corrupted, or built for another machine (bad input to both CLIs)."""
 
 
 def file_digest(path: Path) -> str:

@@ -9,7 +9,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from atom_compile.options import DTYPE_NAMES, LEVELS, QUANTIZATION_EXCLUDE_FLAG, WEIGHT_MODES, ExportOptions
+from atom_compile.options import (
+    DEFAULT_BLOCK_SIZE,
+    DTYPE_NAMES,
+    LEVELS,
+    QUANTIZATION_EXCLUDE_FLAG,
+    WEIGHT_MODES,
+    ExportOptions,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--level", type=int, default=3, choices=LEVELS, help="0: eager FX pieces; 3: Inductor")
     export.add_argument("--max-model-len", type=int, default=None)
-    export.add_argument("--max-num-seqs", type=int, default=256)
+    export.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV-cache block that serving will use (its GPU kernels are compiled for it)",
+    )
     export.add_argument("--quantization", default=None, choices=["fp8"], help="quantize weights online")
     export.add_argument("--quantization-exclude", **QUANTIZATION_EXCLUDE_FLAG)
     export.add_argument(
@@ -50,12 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # after parsing: these import torch (~3 s)
-    from atom_compile.artifact import ArtifactError
     from atom_compile.export import export_model
     from atom_compile.passes import list_passes
-    from atom_models import UnsupportedModelError, WeightLoadError
 
-    user_errors = (ValueError, KeyError, FileNotFoundError, ArtifactError, WeightLoadError, UnsupportedModelError)
+    # ValueError covers ArtifactError, WeightLoadError and UnsupportedModelError
+    user_errors = (ValueError, KeyError, FileNotFoundError)
     try:
         if args.command == "export":
             options = ExportOptions(
@@ -64,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 passes=args.passes,
                 level=args.level,
                 max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs,
+                block_size=args.block_size,
                 quantization=args.quantization,
                 quantization_exclude=args.quantization_exclude,
                 weights=args.weights,

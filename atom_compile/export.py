@@ -58,6 +58,7 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
     options = options or ExportOptions()
     options.validate()
     model_dir, output = Path(model_dir).resolve(), Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)  # now, not after the minutes of compiling
     device = resolve_device(options.device)
     backend = options.backend or default_backend(device)
     if backend not in available_backends(device):
@@ -74,12 +75,13 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         propagate_fake_values(traced.graph_module)
         top, pieces = split_at_attention(traced.graph_module)
         max_model_len = options.max_model_len or model.config.max_position_embeddings
-        staging = Path(tempfile.mkdtemp(prefix=".atom-export-", dir=output.parent if output.parent.exists() else None))
+        staging = Path(tempfile.mkdtemp(prefix=".atom-export-", dir=output.parent))
         try:
             piece_entries = _write_pieces(staging, top, pieces, options.level, device)
             if device.type == "cuda":
                 forward, pieces_by_name = load_top_graph(staging), load_pieces(staging, piece_entries)
-                warm_kernels(staging / TRITON_CACHE, partial(forward, pieces_by_name), traced, model, max_model_len)
+                run = partial(forward, pieces_by_name)
+                warm_kernels(staging / TRITON_CACHE, run, traced, model, max_model_len, options.block_size)
             weights = _write_weights(staging, model, model_dir, options)
             quant_config = getattr(model, "quant_config", None)
             kv_scaled = quant_config is not None and quant_config.kv_cache_scales
@@ -99,7 +101,7 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
                 "kv_cache_scales": "per-tensor, from the checkpoint" if kv_scaled else "per-tensor, 1.0",
                 "passes": [asdict(r) for r in records],
                 "max_model_len": max_model_len,
-                "max_num_seqs": options.max_num_seqs,
+                "block_size": options.block_size,
                 "export_options": asdict(options),
                 "inputs": [asdict(i) for i in traced.inputs],
                 "pieces": piece_entries,
@@ -152,16 +154,17 @@ def _write_pieces(staging: Path, top, pieces: list[Piece], level: int, device: t
 
 
 def _write_weights(staging: Path, model: torch.nn.Module, model_dir: Path, options: ExportOptions) -> dict:
+    source = {"model_dir": str(model_dir)}  # what `--rebuild` re-exports from
     if options.weights == "dummy":
-        return {"mode": "dummy"}
+        return {"mode": "dummy", **source}
     if options.weights == "copy":
         (staging / "weights").mkdir()
         tensors = {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()}
         save_file(tensors, staging / "weights" / "model.safetensors", metadata={"format": "pt"})
-        return {"mode": "copy", "file": "weights/model.safetensors"}
+        return {"mode": "copy", "file": "weights/model.safetensors", **source}
     _say("fingerprinting the source weights")
     files = {f.name: artifact.file_digest(f) for f in checkpoint_files(model_dir)}
-    return {"mode": "reference", "model_dir": str(model_dir), "files": files}
+    return {"mode": "reference", **source, "files": files}
 
 
 def _copy_tokenizer(model_dir: Path, staging: Path) -> None:

@@ -1,14 +1,15 @@
 """Load an artifact for serving: check it fits this machine, load weights, bind the pieces.
 
 Nothing here traces or compiles. The top-level graph and eager pieces are executed from
-their saved source, compiled pieces are mapped in from their AOTInductor packages.
+their saved source, compiled pieces are loaded from their saved packages (AOTInductor on CPU,
+standalone-compiled on CUDA), and the Triton kernels they and our ops launch come from the artifact's cache.
 """
 
 from __future__ import annotations
 
 import ast
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -169,6 +170,10 @@ def _rebuild(path: Path, manifest: dict) -> dict:
 
     source = manifest["weights"].get("model_dir")
     if source is None:
-        raise artifact.ArtifactError(f"cannot rebuild {path}: its weights were copied in, with no source recorded")
+        raise artifact.ArtifactError(f"cannot rebuild {path}: no source model was recorded")
+    if not Path(source).is_dir():
+        raise artifact.ArtifactError(f"cannot rebuild {path}: its source {source} no longer exists")
     logger.warning("re-exporting %s from %s", path, source)
-    return export_model(source, path, ExportOptions(**manifest["export_options"]))
+    known = {f.name for f in fields(ExportOptions)}  # an older atom's manifest may name options since removed
+    options = {k: v for k, v in manifest["export_options"].items() if k in known}
+    return export_model(source, path, ExportOptions(**options))

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LEVELS = (0, 3)  # 0: pieces run as eager FX code; 3: pieces compiled by Inductor (ATOM's levels)
 WEIGHT_MODES = ("reference", "copy", "dummy")
+# Tokens a KV-cache block holds unless told (vLLM's and ATOM's default). Our attention kernels compile for one block
+# size, so an artifact ships them for the block size it was exported with, and serves only that one on a GPU.
+DEFAULT_BLOCK_SIZE = 16
 # `--quantization-exclude`, as both CLIs take it
 QUANTIZATION_EXCLUDE_FLAG = {
     "action": "append",
@@ -26,7 +29,7 @@ class ExportOptions:
     passes: str | list[str] | None = None  # names, or "+name,-name" edits of the default pipeline
     level: int = 3
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    block_size: int = DEFAULT_BLOCK_SIZE
     quantization: str | None = None
     # layer-name patterns (fnmatch glob, "re:" regex, or a name or dotted suffix) `quantization` leaves unquantized
     quantization_exclude: tuple[str, ...] = ()
@@ -42,6 +45,8 @@ class ExportOptions:
     def validate(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.load_dummy and self.weights == "reference":

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             run_server(args)
         else:
             uvloop.run(_generate(args))
-    except (ValueError, OSError) as error:  # InvalidRequestError is a ValueError
+    except (ValueError, OSError) as error:  # InvalidRequestError and ArtifactError are ValueErrors
         parser.error(str(error))
     except KeyboardInterrupt:
         sys.exit(130)

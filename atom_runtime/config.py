@@ -19,7 +19,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    block_size: int = 16
+    block_size: int | None = None  # default: an artifact's (its GPU kernels are compiled for it), else 16
     gpu_memory_utilization: float = 0.9
     num_kvcache_blocks: int | None = None  # default: sized from free memory
     cpu_kvcache_space_gib: float = 1.0  # KV cache size when running on CPU
@@ -34,7 +34,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from atom_compile.options import DTYPE_NAMES, QUANTIZATION_EXCLUDE_FLAG
+from atom_compile.options import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, QUANTIZATION_EXCLUDE_FLAG
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
 
 _DEFAULTS = EngineConfig()
@@ -50,7 +50,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens, help="tokens per step"
     )
-    group.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV-cache block")
+    group.add_argument(
+        "--block-size",
+        type=int,
+        default=_DEFAULTS.block_size,
+        help=f"tokens per KV-cache block (default: the artifact's, else {DEFAULT_BLOCK_SIZE})",
+    )
     group.add_argument(
         "--gpu-memory-utilization",
         type=float,

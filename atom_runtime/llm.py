@@ -17,7 +17,8 @@ from atom_runtime.sampling_params import SamplingParams
 
 
 class LLM:
-    """Loads a model (an HF directory) and generates for batches of prompts.
+    """Loads a model (an artifact from atom-compile, or an HF directory run eagerly) and generates for batches of
+    prompts.
 
     Engine settings (max_num_seqs, block_size, enable_prefix_caching, ...) are keyword
     arguments, as in vLLM; see `EngineConfig`.

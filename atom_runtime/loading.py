@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from atom_compile import is_artifact, load_artifact
+from atom_compile.options import DEFAULT_BLOCK_SIZE
 from atom_models import load_config, resolve_device, resolve_dtype
 from atom_models.loader import build_model, fill_dummy_weights, load_weights
 from atom_models.ops import default_backend, set_backend
@@ -79,6 +80,20 @@ def load_compiled_model(path: str | Path, rebuild: bool) -> tuple[LoadedModel, d
     return loaded, compiled.manifest
 
 
+def served_block_size(requested: int | None, manifest: dict, artifact: str | Path) -> int:
+    """The artifact's block size unless another is asked for, which only a CPU artifact can serve: on a GPU the
+    attention kernels it ships are compiled for its block size (a constexpr), and serving compiles nothing."""
+    exported = manifest.get("block_size", DEFAULT_BLOCK_SIZE)  # (artifacts before the field: the default)
+    if requested is None:
+        return exported
+    if requested != exported and torch.device(manifest["device"]).type == "cuda":
+        raise ValueError(
+            f"block_size {requested}: {artifact} compiled its GPU kernels for block size {exported}; "
+            f"serve it with that, or re-export it with --block-size {requested}"
+        )
+    return requested
+
+
 def create_core(
     model: str | Path,
     *,
@@ -104,8 +119,10 @@ def create_core(
         loaded, manifest = load_compiled_model(model, rebuild)
         if config.max_model_len is None:
             config.max_model_len = manifest["max_model_len"]
+        config.block_size = served_block_size(config.block_size, manifest, model)
     else:
         loaded = load_hf_model(model, dtype, resolve_device(device), quantization, load_dummy, quantization_exclude)
+        config.block_size = config.block_size or DEFAULT_BLOCK_SIZE
     context = loaded.config.max_position_embeddings
     if config.max_model_len is None:
         config.max_model_len = context

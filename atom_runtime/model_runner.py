@@ -24,7 +24,7 @@ from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from atom_runtime.sampler import DeviceSample, SampledTokens, Sampler
+from atom_runtime.sampler import DeviceSample, Sampler
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.step_inputs import StepInputs
 
@@ -217,11 +217,6 @@ class ModelRunner:
         return torch.as_tensor(np.asarray(values), dtype=dtype).to(self.device)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> SampledTokens | None:
-        """Run one step and wait for its samples (for the chunks that sample, in order)."""
-        sample = self.launch(chunks)
-        return sample.to_host() if sample is not None else None
-
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], in_flight: DeviceSample | None = None) -> DeviceSample | None:
         """Queue one step on the device and return its samples without waiting for them.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from bench_common import write_json
 
 
 def free_port() -> int:
@@ -166,9 +166,7 @@ def main() -> None:
             f"{name:>6} {r['mean_step_ms']:>9.3f} {r['mean_step_wait_ms']:>9.3f} {r['output_tok_s']:>8.0f} "
             f"{r['ttft_mean_ms']:>9.1f} {r['itl_median_ms']:>9.2f} {r['itl_p99_ms']:>9.2f} {r['flood_requests']:>10}"
         )
-    args.out.write_text(
-        json.dumps({"quiet": quiet, "busy": busy, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2)
-    )
+    write_json(args.out, {"quiet": quiet, "busy": busy, "args": {k: str(v) for k, v in vars(args).items()}})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import write_json
+
 from atom_models.checkpoints import PRESETS, make_config_only
 
 
@@ -76,9 +78,7 @@ def main() -> None:
             f"{row['layers']:>7} {row['seconds']:>9.1f} {row['ratio_to_first']:>7.2f} {row['pieces']:>7} "
             f"{row['compiled_pieces']:>9}"
         )
-    args.out.write_text(
-        json.dumps({"preset": args.preset, "device": args.device, "level": args.level, "rows": rows}, indent=2)
-    )
+    write_json(args.out, {"preset": args.preset, "export_device": args.device, "level": args.level, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -18,18 +18,16 @@ Times are medians of triton.testing.do_bench on random data. --sweep also times 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
-import subprocess
 from dataclasses import asdict, replace
-from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import copy_bandwidth, graph_ms, median_ms, served_table_blocks
+from bench_common import copy_bandwidth, graph_ms, median_ms, served_table_blocks, write_json
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atom_models.ops import attention as attention_ops
@@ -320,7 +318,7 @@ def print_rows(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench_kernels.json")
+    parser.add_argument("--out", type=Path, default=Path("bench_kernels.json"))
     parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
     parser.add_argument("--only", choices=["prefill", "decode", "rows", "sample"], help="one group of cases")
     parser.add_argument("--fp8-kv", action="store_true", help="decode also from an FP8 cache")
@@ -361,25 +359,17 @@ def main() -> None:
         print_rows(new_rows)
         rows += new_rows
 
-    props = torch.cuda.get_device_properties(0)
-    try:
-        git = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
-        commit = git.stdout.strip() if git.returncode == 0 else ""
-    except OSError:
-        commit = ""
-    meta = dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        device=props.name,
-        multiprocessors=props.multi_processor_count,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
-        commit=commit or None,
-        copy_tbps=copy_tbps,
+    write_json(
+        args.out,
+        dict(
+            multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count,
+            torch=torch.__version__,
+            triton=triton.__version__,
+            python=platform.python_version(),
+            copy_tbps=copy_tbps,
+            results=rows,
+        ),
     )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, results=rows), f, indent=2)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

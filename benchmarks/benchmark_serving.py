@@ -5,7 +5,7 @@
         --num-prompts 1280 --max-concurrency 128 --request-rate inf --ignore-eos \\
         --save-result --percentile-metrics ttft,tpot,itl,e2el
 
-Every request streams; TTFT is the time to the first chunk with text, ITL the gaps between
+Every request streams; TTFT is the time to the first chunk with output (text or token ids), ITL the gaps between
 chunks, TPOT the mean time per output token after the first, E2EL the whole request. Token
 counts come from the server's usage report (`stream_options.include_usage`). The API key,
 if the server wants one, is read from $OPENAI_API_KEY.

@@ -7,6 +7,7 @@ Prints whether the artifact loads and matches the eager model, and how long each
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -27,7 +28,9 @@ print(json.dumps({"load_s": load, "tokens": [o.outputs[0].token_ids for o in out
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="directory for the tiny checkpoint and its artifact")
+    out = parser.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
     import atom_compile
     from atom_models.checkpoints import make_random_checkpoint

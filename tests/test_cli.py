@@ -20,6 +20,7 @@ from atom_models.loader import DTYPES
 from atom_runtime import LLM, EngineConfig, SamplingParams
 from atom_runtime.cli import build_parser, check_listen_address, main
 from atom_runtime.engine_args import create_engine_kwargs
+from atom_runtime.loading import served_block_size
 from tests.helpers import run_fresh_python
 
 
@@ -104,6 +105,29 @@ def test_bad_input_is_one_line_and_exit_2(tiny_llama, capsys, args, message):
     *before, last = err.strip().splitlines()  # before: progress bars of weight loading, if it got that far
     assert last.startswith("atom-run") and ": error: " in last and message in last
     assert "Traceback" not in err and not any("error" in line for line in before)
+
+
+def test_an_artifact_for_another_machine_is_one_line(tiny_llama, tmp_path, capsys):
+    import atom_compile
+
+    atom_compile.export(tiny_llama, tmp_path / "artifact", device="cpu", level=0)
+    manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    (tmp_path / "artifact" / "manifest.json").write_text(json.dumps({**manifest, "torch_version": "2.0.0"}))
+    with pytest.raises(SystemExit) as info:
+        main(["generate", str(tmp_path / "artifact"), "--prompt", "x"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("atom-run: error: artifact mismatch")
+    assert "torch_version is '2.0.0' in the artifact" in err
+
+
+def test_an_artifact_serves_its_own_block_size(tmp_path):
+    cpu, gpu = {"device": "cpu", "block_size": 32}, {"device": "cuda:0", "block_size": 32}
+    assert served_block_size(None, gpu, tmp_path) == 32 and served_block_size(32, gpu, tmp_path) == 32
+    assert served_block_size(None, {"device": "cpu"}, tmp_path) == 16  # exported before the manifest said
+    assert served_block_size(8, cpu, tmp_path) == 8  # no kernels compiled for it on CPU
+    with pytest.raises(ValueError, match="its GPU kernels for block size 32; .* re-export it with --block-size 8"):
+        served_block_size(8, gpu, tmp_path)
 
 
 def test_serve_on_a_port_in_use_fails_before_loading(tiny_llama, capsys):

@@ -58,7 +58,7 @@ def test_manifest_records_the_build(llama_artifact):
         "ops_backend",
         "passes",
         "max_model_len",
-        "max_num_seqs",
+        "block_size",
         "files",
     ):
         assert field in manifest, field
@@ -231,6 +231,21 @@ def test_copied_weights_need_no_checkpoint(tiny_llama, tmp_path):
     ac.export(checkpoint, tmp_path / "artifact", device="cpu", level=0, weights="copy")
     shutil.rmtree(checkpoint)
     assert tokens(tmp_path / "artifact") == tokens(tiny_llama, device="cpu")
+    edit_manifest(tmp_path / "artifact", torch_version="2.0.0")
+    with pytest.raises(ArtifactError, match=f"cannot rebuild .*: its source {re.escape(str(checkpoint))} no longer"):
+        ac.load_artifact(tmp_path / "artifact", rebuild=True)
+
+
+def test_dummy_weights_rebuild_from_their_config(tiny_llama, tmp_path):
+    """Every weights mode records its source, so `--rebuild` can re-export any artifact (here one made by an older
+    atom, with an export option since removed)."""
+    artifact = tmp_path / "new" / "dir" / "artifact"  # export makes the parents
+    ac.export(tiny_llama, artifact, device="cpu", level=0, load_dummy=True)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["weights"] == {"mode": "dummy", "model_dir": str(tiny_llama.resolve())}
+    edit_manifest(artifact, torch_version="2.0.0", export_options={**manifest["export_options"], "max_num_seqs": 8})
+    rebuilt = ac.load_artifact(artifact, rebuild=True)
+    assert rebuilt.manifest["torch_version"] == torch.__version__
 
 
 def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):

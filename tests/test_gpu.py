@@ -39,7 +39,7 @@ def recording_get_cache_key(*args, **kwargs):
 compiler.get_cache_key = recording_get_cache_key
 
 from atom_runtime import LLM, SamplingParams, cuda_graphs
-# A short batch-1 graph for contexts below 58 tokens (4 blocks): the long prompt alone (51 tokens) decodes through
+# A short batch-1 graph for contexts below 58 tokens (4 blocks of 16): the long prompt alone (51 tokens) decodes through
 # it, then through the full batch-1 graph.
 cuda_graphs.SHORT_CONTEXT = 58
 replayed = set()
@@ -65,16 +65,17 @@ print(json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "compiled":
 
 
 @pytest.mark.parametrize(
-    "checkpoint_name,quantization,kv_cache_dtype",
+    "checkpoint_name,quantization,kv_cache_dtype,block_size",
     [
-        ("llama-gqa2-tied", None, "auto"),
-        ("qwen3", None, "auto"),
-        ("llama-gqa2-tied", "fp8", "auto"),
-        ("qwen3-headdim64", "fp8", "fp8_per_token_head"),  # a head wide enough for a block's scales in one slot
+        ("llama-gqa2-tied", None, "auto", 16),
+        ("llama-gqa2-tied", None, "auto", 32),  # exported for another block size, which serving then takes
+        ("qwen3", None, "auto", 16),
+        ("llama-gqa2-tied", "fp8", "auto", 16),
+        ("qwen3-headdim64", "fp8", "fp8_per_token_head", 16),  # a head wide enough for a block's scales in one slot
     ],
 )
 def test_cuda_artifact_serves_without_compiling(
-    checkpoint_name, quantization, kv_cache_dtype, make_checkpoint, tmp_path, monkeypatch
+    checkpoint_name, quantization, kv_cache_dtype, block_size, make_checkpoint, tmp_path, monkeypatch
 ):
     import triton.compiler.compiler as compiler
 
@@ -99,7 +100,7 @@ def test_cuda_artifact_serves_without_compiling(
     monkeypatch.setattr(compiler, "get_cache_key", recording_get_cache_key)
     checkpoint = make_checkpoint(checkpoint_name)
     artifact = tmp_path / "artifact"
-    ac.export(checkpoint, artifact, device="cuda", level=3, quantization=quantization)
+    ac.export(checkpoint, artifact, device="cuda", level=3, quantization=quantization, block_size=block_size)
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["ops_backend"] == "triton" and manifest["device_capability"].startswith("sm_")
     assert (artifact / "triton_cache").is_dir()
@@ -111,8 +112,9 @@ def test_cuda_artifact_serves_without_compiling(
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["graphs"] == [[1, 0], [1, 4], [2, 0], [4, 0], [8, 0]] and result["piecewise"] > 0
-    assert result["replayed"] == [[1, 0], [1, 4]]  # the lone prompt took the short batch-1 graph, then the full one
+    short = -(-58 // block_size)  # the child's SHORT_CONTEXT in blocks
+    assert result["graphs"] == [[1, 0], [1, short], [2, 0], [4, 0], [8, 0]] and result["piecewise"] > 0
+    assert result["replayed"] == [[1, 0], [1, short]]  # the lone prompt took the short batch-1 graph, then the full
     shipped = sorted(
         str(g.relative_to(artifact / "triton_cache")) for g in (artifact / "triton_cache").glob("*/__grp__*")
     )
@@ -141,6 +143,7 @@ def test_cuda_artifact_serves_without_compiling(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         max_num_batched_tokens=8,
+        block_size=block_size,
     )
     try:
         expected = eager.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

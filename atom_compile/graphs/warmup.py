@@ -31,7 +31,6 @@ from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.sampling import carry_tokens, sample_rows
 
 TRITON_CACHE = "triton_cache"
-BLOCK_SIZE = 16  # the runtime's default block size
 
 
 def triton_cache_dir() -> Path:
@@ -75,17 +74,17 @@ def warm_steps(max_model_len: int, unsplit_batch: int) -> list[list[tuple[int, i
     return [[(c, n) for c, n in step if c + n <= max_model_len] for step in decode + prefill + mixed]
 
 
-def step_inputs(step: list[tuple[int, int]], max_blocks: int, device: torch.device) -> tuple:
+def step_inputs(step: list[tuple[int, int]], max_blocks: int, block_size: int, device: torch.device) -> tuple:
     """(input_ids, positions, metadata, logits_indices) laid out like the runtime's persistent buffers."""
     positions, slots, tables = [], [], []
     next_block = 0
     for context, new in step:
-        blocks = list(range(next_block, next_block + -(-(context + new) // BLOCK_SIZE)))
+        blocks = list(range(next_block, next_block + -(-(context + new) // block_size)))
         next_block += len(blocks)
         tables.append(blocks + [0] * (max_blocks - len(blocks)))
         for p in range(context, context + new):
             positions.append(p)
-            slots.append(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
     lens = [c + n for c, n in step]
     starts = [0]
     for _, new in step:
@@ -100,7 +99,7 @@ def step_inputs(step: list[tuple[int, int]], max_blocks: int, device: torch.devi
     return torch.zeros(len(positions), **i64), torch.tensor(positions, **i64), meta, torch.tensor(starts[1:], **i64) - 1
 
 
-def kv_cache_dtypes(model: nn.Module, device: torch.device) -> list[torch.dtype]:
+def kv_cache_dtypes(model: nn.Module, device: torch.device, block_size: int) -> list[torch.dtype]:
     """The KV-cache dtypes serving may choose: the model's (or bf16), and FP8 where the GPU has it (sm_89+), with
     per-tensor scales and, where the head is wide enough for a block's scales in one slot, inline ones."""
     dtypes = [model.lm_head.weight.dtype]
@@ -108,7 +107,7 @@ def kv_cache_dtypes(model: nn.Module, device: torch.device) -> list[torch.dtype]
         dtypes.append(torch.bfloat16)
     if torch.cuda.get_device_capability(device) >= (8, 9):
         dtypes.append(FP8_DTYPE)
-        if head_dim_of(model.config) >= 4 * BLOCK_SIZE:
+        if head_dim_of(model.config) >= 4 * block_size:
             dtypes.append(INLINE_SCALE_DTYPE)
     return dtypes
 
@@ -132,24 +131,27 @@ def forget_compiled_kernels() -> None:
 
 
 @torch.inference_mode()
-def warm_kernels(cache: Path, forward: Callable, traced: TracedModel, model: nn.Module, max_model_len: int) -> None:
-    """Run `forward(*graph inputs)` (the artifact as served) over `warm_steps` into the Triton cache `cache`."""
+def warm_kernels(
+    cache: Path, forward: Callable, traced: TracedModel, model: nn.Module, max_model_len: int, block_size: int
+) -> None:
+    """Run `forward(*graph inputs)` (the artifact as served, with KV-cache blocks of `block_size` tokens) over
+    `warm_steps` into the Triton cache `cache`."""
     from atom_models.ops.triton_kernels.attention import unsplit_decode_batch
 
     config = model.config
     device = next(model.parameters()).device
-    max_blocks = -(-max_model_len // BLOCK_SIZE)
+    max_blocks = -(-max_model_len // block_size)
     unsplit = unsplit_decode_batch(config.num_key_value_heads, head_dim_of(config), device)
-    blocks = max(64, (unsplit + 1) * -(-(WARM_CONTEXT + 1) // BLOCK_SIZE))  # every step's tables fit
-    kv_shape = (blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
+    blocks = max(64, (unsplit + 1) * -(-(WARM_CONTEXT + 1) // block_size))  # every step's tables fit
+    kv_shape = (blocks, block_size, config.num_key_value_heads, head_dim_of(config))
     weights = model_weights(model)
     forget_compiled_kernels()
     with triton_cache_at(cache):
-        for kv_dtype in kv_cache_dtypes(model, device):  # serving picks one with --kv-cache-dtype
+        for kv_dtype in kv_cache_dtypes(model, device, block_size):  # serving picks one with --kv-cache-dtype
             shape = kv_cache_shape(kv_dtype, *kv_shape)
             kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
             for step in warm_steps(max_model_len, unsplit):
-                input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, device)
+                input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, block_size, device)
                 (logits,) = forward(
                     *graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices)
                 )

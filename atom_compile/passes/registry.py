@@ -3,7 +3,7 @@
 A pass is a function `GraphModule -> number of matches` registered under a name. Most are
 a `PatternPass`: `match(node)` finds one occurrence of the pattern anchored at a node and
 `replace(graph, match)` rewrites it. The manager runs a list of names, records how often
-each fired, and keeps the graph's fake values up to date for the steps after it.
+each fired, and lints and recompiles the graph after each; the export refreshes the fake values once, after all.
 """
 
 from __future__ import annotations

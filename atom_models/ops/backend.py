@@ -2,7 +2,8 @@
 
 Each op is one `torch.library` custom op whose body looks up its implementation here.
 The reference implementation runs anywhere and is the ground truth in tests; Triton
-serves CUDA; AITER serves ROCm when `aiter` imports. The backend is picked at export
+serves CUDA; AITER is the slot for ROCm's kernels, offered when `aiter` imports and some op
+registers an implementation for it (none does yet: atom runs on NVIDIA first). The backend is picked at export
 time, written into the artifact's manifest and set again when the artifact loads, so
 a traced graph never names a backend: the same FX code runs on any of them.
 """
@@ -50,7 +51,7 @@ def available_backends(device: str | torch.device) -> list[str]:
     if device.type == "cpu":
         return ["torch"]
     found = []
-    if torch.version.hip is not None:
+    if torch.version.hip is not None and any("aiter" in impls for impls in _IMPLS.values()):
         try:
             import aiter  # noqa: F401
 
@@ -77,10 +78,6 @@ def set_backend(name: str) -> None:
     if name == "triton":
         from atom_models.ops import triton_kernels  # noqa: F401  (registers the kernels)
     _active = name
-
-
-def get_backend() -> str:
-    return _active
 
 
 @contextmanager
