@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import triton
 
-from atom_models.checkpoints import make_config_only
+from atom_models.checkpoints import make_config, make_config_only
+from atom_models.llama import head_dim_of
 from atom_runtime.cuda_graphs import fits_short_graph, short_table_blocks
 
 # The served max_model_len (Llama-3's) the kernel benchmarks' block tables are as wide as: a lone sequence's decode
@@ -26,6 +27,20 @@ def served_table_blocks(num_seqs: int, max_context: int, block_size: int) -> int
     full = max(-(-SERVED_MAX_MODEL_LEN // block_size), -(-max_context // block_size))
     short = short_table_blocks(full, block_size)
     return short if short is not None and fits_short_graph(num_seqs, max_context) else full
+
+
+def projections(preset: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each distinct GEMM of a decoder layer, and the LM head; qkv and gate_up are packed."""
+    c = make_config(preset)
+    head_dim = head_dim_of(c)
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    return [
+        ("qkv", q + 2 * kv, c.hidden_size),
+        ("o", c.hidden_size, q),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
+        ("down", c.hidden_size, c.intermediate_size),
+        ("lm_head", c.vocab_size, c.hidden_size),
+    ]
 
 
 def git_commit() -> str:

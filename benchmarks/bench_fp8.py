@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import copy_bandwidth, device_name, print_table, write_json
+from bench_common import copy_bandwidth, device_name, print_table, projections, write_json
 from bench_gemm import config_name, sweep_skinny, timed
 
 import atom_compile
@@ -49,8 +49,8 @@ from atom_models.ops.quant import quant_fp8_per_token_reference, quantize_weight
 from atom_models.ops.triton_kernels import gemm
 
 HERE = Path(__file__).resolve().parent
-# Llama-3-8B's projections as (name, N, K); gate_up and qkv are packed.
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("up", 14336, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+# Llama-3-8B's projections as (name, N, K), qkv and gate_up packed, and up alone
+SHAPES = [p for p in projections("llama-3-8b") if p[0] != "lm_head"] + [("up", 14336, 4096)]
 BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # name -> (config.json overrides, --quantization, --kv-cache-dtype)
 VARIANTS = {

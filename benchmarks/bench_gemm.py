@@ -26,11 +26,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import copy_bandwidth, device_name, graph_ms, median_ms, print_table, write_json
+from bench_common import (
+    copy_bandwidth,
+    device_name,
+    graph_ms,
+    median_ms,
+    print_table,
+    projections,
+    write_json,
+)
 from triton.runtime.errors import OutOfResources
 
-from atom_models.checkpoints import make_config
-from atom_models.llama import head_dim_of
 from atom_models.ops.triton_kernels import gemm
 from atom_models.ops.triton_kernels.activation import silu_and_mul
 from atom_models.ops.triton_kernels.norm import fused_add_rms_norm
@@ -93,20 +99,6 @@ def sweep_skinny(timer: str, weight: torch.Tensor, run, m: int, block: bool) -> 
         "best_config": config_name(results[0][1]),
         "all": [{"us": us, **asdict(config)} for us, config in results],
     }
-
-
-def projections(preset: str) -> list[tuple[str, int, int]]:
-    """(name, N, K) of each distinct GEMM of a decoder layer, and the LM head; qkv and gate_up are packed."""
-    c = make_config(preset)
-    head_dim = head_dim_of(c)
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    return [
-        ("qkv", q + 2 * kv, c.hidden_size),
-        ("o", c.hidden_size, q),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
-        ("down", c.hidden_size, c.intermediate_size),
-        ("lm_head", c.vocab_size, c.hidden_size),
-    ]
 
 
 # The op in front of each projection in a decoder layer, as the linear fusions see it.

@@ -18,18 +18,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench_common import copy_bandwidth, median_ms, print_table, write_json
+from bench_common import copy_bandwidth, median_ms, print_table, projections, write_json
 from bench_kernels import DTYPE, HEAD_DIM, paged_batch
 
 from atom_models.ops.triton_kernels import attention
 
-HIDDEN, INTERMEDIATE = 4096, 14336
-LINEARS = {
-    "qkv": (6144, HIDDEN),
-    "o": (HIDDEN, HIDDEN),
-    "gate_up": (2 * INTERMEDIATE, HIDDEN),
-    "down": (HIDDEN, INTERMEDIATE),
-}
+LINEARS = {name: (n, k) for name, n, k in projections("llama-3-8b") if name != "lm_head"}
+HIDDEN, INTERMEDIATE = LINEARS["o"][0], LINEARS["down"][1]
 
 
 def graph_of(*stream_work) -> torch.cuda.CUDAGraph:

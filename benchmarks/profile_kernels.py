@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from bench_kernels import paged_batch, to_fp8_cache
 
-from atom_models.ops.quant import FP8_DTYPE
+from atom_models.ops.quant import quantize_weight
 from atom_models.ops.triton_kernels import attention, gemm
 
 DTYPE = torch.bfloat16
@@ -38,8 +38,7 @@ def gemv(n: int, k: int, prologue: str | None, fp8: bool = False):
     w = torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5
     w_scale = None
     if fp8:
-        w_scale = w.abs().amax(dim=1, keepdim=True).float() / torch.finfo(FP8_DTYPE).max
-        w = (w / w_scale).to(FP8_DTYPE)
+        w, w_scale = quantize_weight(w, "per_channel")
     x = torch.randn(1, 2 * k if prologue == "silu_mul" else k, device="cuda", dtype=DTYPE)
     if prologue == "silu_mul":
         chosen = gemm.SiluMulPrologue()

@@ -286,22 +286,18 @@ def quantize_fp8_static(x: Tensor, scale: Tensor) -> Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def _to_fp8(w: Tensor, scale: Tensor) -> Tensor:
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
 def quantize_weight_per_tensor(w: Tensor) -> tuple[Tensor, Tensor]:
     """[out, in] float weight -> (fp8 weight, fp32 scale [1])."""
     wf = w.float()
     scale = (wf.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1)
-    return _to_fp8(wf, scale), scale
+    return quantize_fp8_static(wf, scale), scale
 
 
 def quantize_weight_per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
     """[out, in] float weight -> (fp8 weight, fp32 scale [out, 1]); one scale per output row."""
     wf = w.float()
     scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return _to_fp8(wf, scale), scale
+    return quantize_fp8_static(wf, scale), scale
 
 
 def quantize_weight_blockwise(w: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -312,7 +308,7 @@ def quantize_weight_blockwise(w: Tensor, block: tuple[int, int]) -> tuple[Tensor
     padded[:rows, :cols] = w.float()
     blocks = padded.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))  # [row blocks, bn, col blocks, bk]
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
-    return _to_fp8(w.float(), expand_block_scale(scale, block, (rows, cols))), scale
+    return quantize_fp8_static(w.float(), expand_block_scale(scale, block, (rows, cols))), scale
 
 
 def quantize_weight(w: Tensor, scheme: str, block: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:

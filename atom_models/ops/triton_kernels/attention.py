@@ -51,6 +51,7 @@ from atom_models.ops.triton_kernels.common import (
     FP8_MAX_C,
     inline_scale_operands,
     last_to_arrive,
+    multiprocessors,
     pdl_launch,
     prefetch_to_l2,
     ticket_counters,
@@ -769,12 +770,6 @@ def _attention_kernel(
         )
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few splits, so tests cover the merge
-
-
 def decode_splits(
     num_seqs: int, num_kv_heads: int, config: AttentionConfig, device: torch.device, max_keys: int | None = None
 ) -> int:
@@ -790,7 +785,7 @@ def decode_splits(
     0.786 ms a step. (A served max_model_len under 33 tiles trims the full graph's launch the same way: unmeasured.)
     """
     waves = config.lone_decode_waves if num_seqs == 1 else config.decode_waves
-    splits = min(MAX_SPLITS, triton.cdiv(waves * _multiprocessors(device), num_seqs * num_kv_heads))
+    splits = min(MAX_SPLITS, triton.cdiv(waves * multiprocessors(device), num_seqs * num_kv_heads))
     if num_seqs == 1 and max_keys is not None:
         splits = min(splits, max(2, triton.cdiv(max_keys, config.decode_block_n)))
     return splits

@@ -45,6 +45,13 @@ PDL_ENABLED = os.environ.get("ATOM_PDL", "1") != "0"
 
 
 @functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """What grids are sized against; the interpreter gets a few, so tests cover split and multi-wave launches."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def _supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

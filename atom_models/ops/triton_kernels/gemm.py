@@ -44,6 +44,7 @@ from atom_models.ops.triton_kernels.common import (
     as_rows,
     last_to_arrive,
     launch_next_kernel,
+    multiprocessors,
     pdl_launch,
     silu,
     ticket_counters,
@@ -71,12 +72,6 @@ class GemmConfig:
     num_stages: int
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter
-
-
 def default_config(m: int, n: int, k: int, scale_k: int, device: torch.device) -> GemmConfig:
     """Small M: short tiles and the widest N tile that still fills the GPU; large M: 128x128 tiles.
 
@@ -86,7 +81,7 @@ def default_config(m: int, n: int, k: int, scale_k: int, device: torch.device) -
     if m > 64:
         return GemmConfig(128, 128, block_k, 8, 8, 3)
     block_m = max(16, triton.next_power_of_2(m))
-    programs_wanted = _multiprocessors(device)
+    programs_wanted = multiprocessors(device)
     block_n = next((b for b in (128, 64) if triton.cdiv(n, b) >= programs_wanted), 32)
     return GemmConfig(block_m, block_n, block_k, 8, 4, 4)
 
@@ -318,7 +313,7 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     K only up to half as many programs: in `bench_gemm.py --sweep` (H100, M = 8) splitting further lost
     on every shape (Qwen3-0.6B qkv 5.6 -> 6.4 us, Llama-3-8B o_proj 15.6 -> 16.1) and won on none.
     """
-    sms = _multiprocessors(device)
+    sms = multiprocessors(device)
     long_n = triton.cdiv(n, 64) >= 2 * sms
     if m == 1 and scale_k >= k and n * k * weight_bytes <= GEMV_WEIGHT_FIRST_MAX_BYTES:
         return _weight_first_gemv_config(n, k, weight_bytes, sms)
@@ -843,7 +838,7 @@ def run_skinny_mm(
             # where it changes anything: a pipelined GEMV under PDL
             ONE_WAVE=pdl["USE_PDL"]
             and not (weight_first or config.dot)
-            and n_tiles * split_k <= GEMV_ONE_WAVE * _multiprocessors(x.device),
+            and n_tiles * split_k <= GEMV_ONE_WAVE * multiprocessors(x.device),
             **constants,
             **({"maxnreg": config.max_registers} if config.max_registers else {}),
             **pdl,
