@@ -22,12 +22,7 @@ def prompt_step(config, num_tokens: int, device: torch.device, dtype: torch.dtyp
         for _ in range(config.num_hidden_layers)
     ]
     positions = torch.arange(num_tokens, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=positions.clone(),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-    )
+    meta = AttentionMetadata.one_prompt(num_tokens, torch.arange(blocks, device=device), block_size)
     ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator).to(device)
     return ids, positions, caches, meta, positions.clone()
 

@@ -81,12 +81,7 @@ def window_logits(model, ids: torch.Tensor, kv_dtype: torch.dtype, device: torch
     shape = kv_cache_shape(kv_dtype, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
     positions = torch.arange(n, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=positions.clone(),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-    )
+    meta = AttentionMetadata.one_prompt(n, torch.arange(blocks, device=device), BLOCK_SIZE)
     return model(ids.to(device), positions, caches, meta, positions).float()
 
 

@@ -23,12 +23,7 @@ def prefill_logits(model, input_ids: torch.Tensor, block_size: int = 4) -> torch
         for _ in range(config.num_hidden_layers)
     ]
     positions = torch.arange(n)
-    meta = AttentionMetadata(
-        slot_mapping=blocks[positions // block_size] * block_size + positions % block_size,
-        block_tables=blocks[None].int(),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-    )
+    meta = AttentionMetadata.one_prompt(n, blocks, block_size)
     with torch.inference_mode():
         return model(input_ids, positions, caches, meta, positions)
 

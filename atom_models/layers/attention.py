@@ -19,6 +19,18 @@ class AttentionMetadata:
     seq_lens: Tensor  # [seqs] int32, context length including this step's tokens
     query_start_loc: Tensor  # [seqs + 1] int32, cumulative query lengths
 
+    @classmethod
+    def one_prompt(cls, num_tokens: int, blocks: Tensor, block_size: int) -> AttentionMetadata:
+        """A step prefilling one whole prompt into `blocks` (its block ids, in order): the layout of tests, export
+        checks and accuracy benchmarks that run a model outside the engine."""
+        positions = torch.arange(num_tokens, device=blocks.device)
+        return cls(
+            slot_mapping=blocks[positions // block_size].long() * block_size + positions % block_size,
+            block_tables=blocks[None].int(),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=blocks.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=blocks.device),
+        )
+
 
 class RotaryEmbedding(nn.Module):
     """Holds the fp32 cos/sin table; one instance is shared by all layers of a model."""
