@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 import triton
 
@@ -122,3 +128,38 @@ def write_json(path: Path, payload: dict) -> None:
     payload = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(), **payload}
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
+
+
+@dataclass
+class Server:
+    base_url: str
+    healthy_s: float  # from the process's start to its first healthy /health
+    started: float  # time.perf_counter() at the process's start
+
+
+@contextmanager
+def served(model: str | Path, *flags: str, timeout_s: float = 300) -> Iterator[Server]:
+    """`atom-run serve MODEL` (served as "m") on a free local port, healthy, for the duration of the block."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.perf_counter()
+    command = [sys.executable, "-m", "atom_runtime", "serve", str(model), "--port", str(port)]  # also uninstalled
+    server = subprocess.Popen([*command, "--served-model-name", "m", "--uvicorn-log-level", "warning", *flags])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited with status {server.returncode} before it was healthy")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - started > timeout_s:
+                raise SystemExit(f"the server was not healthy after {timeout_s:.0f} s")
+            time.sleep(0.2)
+        yield Server(base, time.perf_counter() - started, started)
+    finally:
+        server.terminate()
+        server.wait()

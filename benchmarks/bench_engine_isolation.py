@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,13 +25,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from bench_common import write_json
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_common import served, write_json
 
 
 def metric(text: str, name: str) -> float:
@@ -119,43 +111,12 @@ def main() -> None:
             from atom_models.checkpoints import make_random_checkpoint
 
             model = make_random_checkpoint(Path(tmp) / "tiny", "tiny-llama")
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                sys.executable,  # `python -m atom_runtime` is `atom-run`, also where the script is not installed
-                "-m",
-                "atom_runtime",
-                "serve",
-                str(model),
-                "--port",
-                str(port),
-                "--served-model-name",
-                "m",
-                "--disable-uvicorn-access-log",
-                "--uvicorn-log-level",
-                "warning",
-            ],
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            for _ in range(600):
-                if server.poll() is not None:
-                    raise SystemExit(f"the server exited with status {server.returncode} before it was healthy")
-                try:
-                    if httpx.get(f"{base}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            else:
-                raise SystemExit("the server was not healthy after 300 s")
+        with served(model, "--disable-uvicorn-access-log") as server:
+            base = server.base_url
             long_prompt = "lorem ipsum dolor sit amet " * 2000  # well past the context: tokenized, then refused
             asyncio.run(phase(base, "m", args.concurrency, args.tokens, 0, long_prompt))  # warm-up
             quiet = asyncio.run(phase(base, "m", args.concurrency, args.tokens, 0, long_prompt))
             busy = asyncio.run(phase(base, "m", args.concurrency, args.tokens, args.flooders, long_prompt))
-        finally:
-            server.terminate()
-            server.wait()
     print(f"\nengine isolation, {args.concurrency} streams x {args.tokens} tokens, {args.flooders} flooding clients")
     print(
         f"{'phase':>6} {'step ms':>9} {'wait ms':>9} {'tok/s':>8} {'TTFT ms':>9} {'ITL p50':>9} {'ITL p99':>9} "

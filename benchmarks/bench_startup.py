@@ -10,24 +10,15 @@ start → /health answers → first streamed token of a request. Prints a table,
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from bench_common import device_name, print_table, write_json
+from bench_common import device_name, print_table, served, write_json
 
 import atom_compile
 from atom_models.checkpoints import make_config_only
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -46,44 +37,14 @@ def main() -> None:
                 with open(file, "rb") as f:
                     while f.read(1 << 26):
                         pass
-        port = free_port()
-        started = time.perf_counter()
-        server = subprocess.Popen(
-            [
-                sys.executable,  # `python -m atom_runtime` is `atom-run`, also where the script is not installed
-                "-m",
-                "atom_runtime",
-                "serve",
-                str(artifact),
-                "--port",
-                str(port),
-                "--served-model-name",
-                "m",
-                "--uvicorn-log-level",
-                "warning",
-            ]
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            while True:
-                try:
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None:
-                    raise RuntimeError("the server exited while starting")
-                time.sleep(0.2)
-            healthy_s = time.perf_counter() - started
+        with served(artifact, timeout_s=600) as server:
+            healthy_s = server.healthy_s
             body = {"model": "m", "prompt": "Hello", "max_tokens": 4, "stream": True, "temperature": 0}
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         break
-            first_token_s = time.perf_counter() - started
-        finally:
-            server.terminate()
-            server.wait()
+            first_token_s = time.perf_counter() - server.started
         weight_bytes = sum(f.stat().st_size for f in (artifact / "weights").glob("*"))
     row = {
         "export_s": export_s,
