@@ -65,11 +65,11 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         raise ValueError(
             f"ops backend {backend!r} is not available on {device}; available: {available_backends(device)}"
         )
+    pipeline = resolve_pipeline(options.passes)  # an unknown pass is an error now, not after loading and tracing
     started = time.perf_counter()
     with use_backend(backend):
         model, traced = trace_model_dir(model_dir, options)
         _say(f"traced {len(traced.graph_module.graph.nodes)} nodes")
-        pipeline = resolve_pipeline(options.passes)
         records = run_passes(traced.graph_module, pipeline)
         _say("passes: " + ", ".join(f"{r.name}×{r.matches}" for r in records))
         propagate_fake_values(traced.graph_module)

@@ -111,6 +111,8 @@ class AsyncEngine:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-tokenizer")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
+        # Called once the core has died, on the thread that noticed (requests or not, the loop may be idle).
+        self.on_dead: Callable[[], None] | None = None
         EngineProcessSettings.engine_started()
         self._counted = True  # in EngineProcessSettings.running, until its core has stopped
         core.start(self._post)
@@ -128,6 +130,8 @@ class AsyncEngine:
     def _post(self, message: tuple) -> None:
         if message[0] == "dead":
             self._error = message[1]
+            if self.on_dead is not None:
+                self.on_dead()
         if self._loop is not None:
             self._to_loop(self._receive, message)
 

@@ -176,3 +176,7 @@ async def _generate(args: argparse.Namespace) -> None:
         )
     else:
         print(completion.text)
+
+
+if __name__ == "__main__":  # `python -m atom_runtime.cli`, like `python -m atom_runtime`
+    main()

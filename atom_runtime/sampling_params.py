@@ -44,7 +44,7 @@ class SamplingParams:
         """Normalise and validate the fields; call again after changing them."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
@@ -61,7 +61,12 @@ class SamplingParams:
                 raise InvalidRequestError(message, param)
 
         check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}")
-        check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        check(
+            0 <= self.temperature < _FLOAT32_MAX,  # the sampler divides float32 logits by it
+            "temperature",
+            f"temperature must be >= 0 and finite, got {self.temperature}",
+        )
+        check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", f"seed must fit in 64 bits, got {self.seed}")
         check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= -1, "top_k", f"top_k must be -1 (disabled) or positive, got {self.top_k}")
         check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
@@ -84,4 +89,5 @@ class SamplingParams:
             f"repetition_penalty must be positive and finite, got {self.repetition_penalty}",
         )
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+        check(all(self.stop), "stop", "stop cannot contain an empty string")
         check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")

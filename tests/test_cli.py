@@ -87,6 +87,8 @@ def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
         (["generate", "{model}", "--prompt", "x", "--block-size", "0"], "block_size must be positive"),
         (["generate", "{model}", "--prompt", "x", "--kv-cache-dtype", "int3"], "invalid choice: 'int3'"),
         (["generate", "{model}", "--prompt", "x", "--max-model-len", "99999"], "exceeds the model's"),
+        (["generate", "{model}", "--prompt", "x", "--max-model-len", "0"], "max_model_len must be positive"),
+        (["serve", "{model}", "--max-logprobs", "-1"], "max_logprobs must be >= 0"),
         (["generate", "{model}", "--prompt", "x" * 20, "--max-model-len", "16"], "the prompt has 20 tokens"),
         (["generate", "{model}", "--prompt-token-ids", "5000"], "outside the vocabulary"),
         (["serve", "{model}", "--port", "http"], "invalid int value: 'http'"),
@@ -291,6 +293,19 @@ def test_serve(tiny_llama):
         server.wait(timeout=30)
     assert server.returncode == 0
     assert_exits(engine)
+
+
+def test_server_exits_when_its_engine_dies(tiny_llama):
+    """A server whose engine died could only answer 503: it exits (status 1), as vLLM's does, for a supervisor to
+    restart it."""
+    server, url = start_server(tiny_llama)
+    try:
+        os.kill(engine_process(server), signal.SIGKILL)
+        server.wait(timeout=30)
+    finally:
+        server.kill()
+    assert server.returncode == 1
+    assert "the engine stopped after an error: the server shuts down" in server.stdout.read()
 
 
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)])

@@ -191,6 +191,41 @@ def test_completion_stream_equals_non_stream(client):
     assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: a prefix-cache hit
 
 
+IGNORE_EOS = {"ignore_eos": True}
+
+
+def test_continuous_usage_stats(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = dict(model=MODEL, prompt="Counting", max_tokens=6, temperature=0, stream=True, stream_options=options)
+    *deltas, last = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "return_token_ids": True})
+    generated = 0
+    for chunk in deltas:  # every chunk carries the usage so far
+        generated += len(chunk.choices[0].token_ids)
+        assert chunk.usage.completion_tokens == generated and chunk.usage.prompt_tokens == last.usage.prompt_tokens
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    chat = client.chat.completions.create(
+        model=MODEL, messages=OK_CHAT, max_tokens=4, stream=True, stream_options=options, extra_body=IGNORE_EOS
+    )
+    assert [c.usage.completion_tokens for c in chat if c.choices and c.choices[0].finish_reason] == [4]
+
+
+def test_chat_continues_the_final_message(http, engine):
+    """An assistant turn of the history without content, and a last message the model continues (vLLM's
+    `continue_final_message`): the prompt is the history up to inside that message."""
+    history = [*OK_CHAT, {"role": "assistant", "content": None}, {"role": "user", "content": "more"}]
+    assert http.post(CHAT, json={"model": MODEL, "messages": history, "max_tokens": 2}).status_code == 200
+    messages = [*OK_CHAT, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    response = http.post(CHAT, json={"model": MODEL, **body, "max_tokens": 2, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    expected = engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    assert expected.endswith("The answer is")
+    ids = engine.tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert response.json()["prompt_token_ids"] == ids == http.post("/tokenize", json=body).json()["tokens"]
+
+
 def test_chat_stream_equals_non_stream(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=12, temperature=0)
     whole = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
@@ -327,6 +362,11 @@ def test_tokenize_and_detokenize(http, engine):
     chat = http.post("/tokenize", json={"messages": OK_CHAT}).json()["tokens"]
     templated = engine.tokenizer.apply_chat_template(OK_CHAT, add_generation_prompt=True, tokenize=False)
     assert chat == engine.tokenizer(templated, add_special_tokens=False)["input_ids"]
+    history = http.post("/tokenize", json={"messages": OK_CHAT, "add_generation_prompt": False}).json()["tokens"]
+    templated = engine.tokenizer.apply_chat_template(OK_CHAT, add_generation_prompt=False, tokenize=False)
+    assert history == engine.tokenizer(templated, add_special_tokens=False)["input_ids"] and history != chat
+    named = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert named["token_strs"] == engine.tokenizer.convert_ids_to_tokens(tokens)
     assert http.post("/detokenize", json={"tokens": bare}).json() == {"prompt": engine.tokenizer.decode(bare)}
     for path, bad, param in [
         ("/tokenize", {"prompt": "x", "messages": OK_CHAT}, "prompt"),
@@ -519,7 +559,19 @@ BAD_REQUESTS = {
         400,
         "chat_template_kwargs",
     ),
-    "no generation prompt": (CHAT, {"messages": OK_CHAT, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    "generation prompt and continuing": (
+        CHAT,
+        {"messages": OK_CHAT, "continue_final_message": True},
+        400,
+        "continue_final_message",
+    ),
+    "tool message": (CHAT, {"messages": [*OK_CHAT, {"role": "tool", "content": "42"}]}, 400, "messages"),
+    "user message without content": (CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages"),
+    "max_completion_tokens 0": (CHAT, {"messages": OK_CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    "empty stop string": (COMPLETIONS, {"prompt": "hi", "stop": ["x", ""]}, 400, "stop"),
+    "seed beyond 64 bits": (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    "temperature beyond float32": (COMPLETIONS, {"prompt": "hi", "temperature": 1e39}, 400, "temperature"),
+    "tokenize with tools": ("/tokenize", {"messages": OK_CHAT, "tools": [TOOL]}, 400, "tools"),
     "chat echo": (CHAT, {"messages": OK_CHAT, "echo": True}, 400, "echo"),
     "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     "bad_words": (COMPLETIONS, {"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),

@@ -183,8 +183,8 @@ def run_server(args: argparse.Namespace) -> None:
         torch_profiler_dir=args.torch_profiler_dir,
         model_path=str(args.model),
     )
-    try:
-        uvicorn.run(
+    server = uvicorn.Server(
+        uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
@@ -192,5 +192,23 @@ def run_server(args: argparse.Namespace) -> None:
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
         )
+    )
+    died = False
+
+    def exit_after_engine_death() -> None:
+        # As vLLM does: a server that can only answer 503 should go, so that a supervisor restarts it. (Any thread:
+        # uvicorn's loop reads should_exit on its next tick, and in-flight requests get the error first.)
+        nonlocal died
+        died = True
+        logger.error("the engine stopped after an error: the server shuts down")
+        server.should_exit = True
+
+    engine.on_dead = exit_after_engine_death
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once it has shut down (uvicorn.run drops it too)
+        pass
     finally:
         engine.shutdown()
+    if died:
+        raise SystemExit(1)

@@ -24,6 +24,11 @@ class _Request(BaseModel):
     # Unknown fields are ignored, as vLLM and OpenAI do; known ones must have the right type.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The request's fields this server does not know, where it keeps them to log them (vLLM logs them too)."""
+        return sorted(self.model_extra or {})
+
 
 def _unset(value: Any) -> bool:
     return value is None or value is False or value == {} or value == [] or value == ""
@@ -35,6 +40,7 @@ def _refuse(field: str, what: str) -> None:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (with include_usage)
 
 
 class _SamplingFields(_Request):
@@ -99,11 +105,6 @@ class _SamplingFields(_Request):
         "logits_processors": "logits processors",
     }
 
-    @property
-    def ignored_fields(self) -> list[str]:
-        """The request's fields this server does not know (vLLM logs them too)."""
-        return sorted(self.model_extra or {})
-
     def _refuse_unsupported(self) -> None:
         for field, what in self.UNSUPPORTED.items():
             if not _unset(getattr(self, field)):
@@ -142,6 +143,10 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -176,13 +181,17 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # an assistant turn of a client's history may carry none
     name: str | None = None
 
     def template_input(self) -> dict[str, str]:
         """The message as chat templates expect it: text parts joined with newlines, as vLLM does."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        if self.role == "tool":
+            _refuse("messages", "a tool message (function calling)")
+        if self.content is None and self.role != "assistant":
+            raise InvalidRequestError(f"a {self.role} message needs content", "messages")
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
         message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
@@ -203,8 +212,8 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     chat_template: str | None = None
-    add_generation_prompt: bool = True  # refused unless true
-    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last message open for the model to continue
     echo: bool = False
     reasoning_effort: Any = None
 
@@ -213,7 +222,6 @@ class ChatCompletionRequest(_SamplingFields):
         "tools": "function calling",
         "functions": "function calling",
         "chat_template": "a request's own chat template",
-        "continue_final_message": "continuing the final message",
         "echo": "echo in chat",
         "reasoning_effort": "reasoning effort",
     }
@@ -222,10 +230,12 @@ class ChatCompletionRequest(_SamplingFields):
         for choice in ("tool_choice", "function_call"):
             if getattr(self, choice) not in (None, "none", "auto"):
                 _refuse(choice, "function calling")
-        if not self.add_generation_prompt:
-            _refuse("add_generation_prompt", "a chat prompt without the assistant's turn")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise InvalidRequestError(
+                f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}", "max_completion_tokens"
+            )
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
@@ -233,11 +243,17 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
 
+    model_config = ConfigDict(extra="allow")  # unknown fields are logged, as for completions
+
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # for messages: end where the assistant's turn begins
+    continue_final_message: bool = False  # for messages: leave the last one open, for the model to continue
     add_special_tokens: bool = True  # for a prompt (a chat template writes its own)
+    return_token_strs: bool = False
+    tools: list[Any] | None = None  # refused unless empty (function calling)
 
 
 class DetokenizeRequest(_Request):
@@ -372,6 +388,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = Field(**_OMIT_NONE)
 
 
 class DetokenizeResponse(BaseModel):

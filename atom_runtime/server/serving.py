@@ -149,7 +149,8 @@ class OpenAIServing:
                     sent[index] = _Sent(echo=self._prompt_text(prompts[p]) if request.echo else "")
                 choice = self._completion_choice(request, index, sent[index], completion)
                 if choice is not None:
-                    yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice])
+                    usage = _usage([f for f in finals if f is not None]) if request.continuous_usage else None
+                    yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice], usage=usage)
         if request.include_usage:
             yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(finals))
 
@@ -190,7 +191,12 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             params = request.sampling_params()
-            prompt = await self._render_chat(request.messages, request.chat_template_kwargs)
+            prompt = await self._render_chat(
+                request.messages,
+                request.chat_template_kwargs,
+                request.add_generation_prompt,
+                request.continue_final_message,
+            )
             outputs = self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = _CHAT_PARAMS.get(error.param, error.param)
@@ -248,23 +254,36 @@ class OpenAIServing:
                             finish_reason=delta.finish_reason,
                             stop_reason=delta.stop_reason,
                             token_ids=delta.token_ids if request.return_token_ids else None,
-                        )
+                        ),
+                        usage=_usage([final]) if request.continuous_usage else None,
                     )
         if request.include_usage:
             yield chunk(usage=_usage([final]))
 
-    async def _render_chat(self, messages: list[ChatMessage], template_kwargs: dict | None) -> _Prompt:
-        """The conversation through the model's chat template, ending where the assistant's turn begins;
-        `template_kwargs` are the template's own variables (Qwen3's enable_thinking, ...)."""
+    async def _render_chat(
+        self,
+        messages: list[ChatMessage],
+        template_kwargs: dict | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> _Prompt:
+        """The conversation through the model's chat template, ending where the assistant's turn begins (or, with
+        `continue_final_message`, inside the last message); `template_kwargs` are the template's own variables
+        (Qwen3's enable_thinking, ...)."""
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
         if reserved := sorted(set(template_kwargs or {}) & _RENDER_ARGUMENTS):
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+            )
         try:
             text = tokenizer.apply_chat_template(
                 [m.template_input() for m in messages],
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **(template_kwargs or {}),
             )
@@ -290,11 +309,21 @@ class OpenAIServing:
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give a prompt or messages, not both or neither", "prompt")
+        if request.tools:
+            raise InvalidRequestError("tools: function calling is not supported by this server", "tools")
         if request.messages is not None:
-            tokens = (await self._render_chat(request.messages, request.chat_template_kwargs)).token_ids
+            rendered = await self._render_chat(
+                request.messages,
+                request.chat_template_kwargs,
+                request.add_generation_prompt,
+                request.continue_final_message,
+            )
+            tokens = rendered.token_ids
         else:
             tokens = await self.engine.tokenize(request.prompt, add_special_tokens=request.add_special_tokens)
-        return TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)
+        strs = self.engine.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        max_model_len = self.engine.max_model_len
+        return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=strs)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
