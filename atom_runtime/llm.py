@@ -63,6 +63,38 @@ class LLM:
         else:
             ids = list(prompt_token_ids)
             requests = [(None, list(x)) for x in ([ids] if ids and isinstance(ids[0], int) else ids)]
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or several, each through the
+        model's chat template (with `chat_template_kwargs`, e.g. Qwen3's enable_thinking); one finished
+        RequestOutput per conversation, in order."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; use generate")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        requests = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            # the template writes the special tokens itself
+            requests.append((text, self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return self._run(requests, sampling_params, use_tqdm)
+
+    def _run(self, requests: list[tuple], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(requests)
         else:

@@ -61,6 +61,27 @@ def test_prompt_token_ids_input(llm):
     )
 
 
+def test_chat_is_generate_over_the_chat_template(llm):
+    tokenizer = llm.tokenizer
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "why?"}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    expected = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    chats = llm.chat(conversations, params)
+    assert [c.prompt for c in chats] == texts and [c.prompt_token_ids for c in chats] == ids
+    assert [c.outputs[0].token_ids for c in chats] == [e.outputs[0].token_ids for e in expected]
+    (alone,) = llm.chat(conversations[0], params)  # one conversation
+    assert alone.outputs[0].token_ids == expected[0].outputs[0].token_ids
+    (continued,) = llm.chat(
+        [{"role": "assistant", "content": "The"}], params, add_generation_prompt=False, continue_final_message=True
+    )
+    assert continued.prompt.endswith("The")
+
+
 def test_eos_stops(llm):
     eos = llm.tokenizer.eos_token_id
     # Find a greedy continuation, then declare its 3rd token the EOS by way of stop_token_ids.
