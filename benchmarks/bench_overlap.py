@@ -1,6 +1,6 @@
 """How much of decode attention hides under prefill GEMMs when the two run on two streams.
 
-    python benchmarks/bench_overlap.py [--batch 256] [--layers 8] [--ms 256 512 1024 2048] [--out bench_overlap.json]
+    python benchmarks/bench_overlap.py [--batch 256] [--layers 8] [--ms 256 512 1024 2048] [--attention-sms 32 64]
 
 The offline bf16-cache workload (Llama-3-8B, 1024 in / 1024 out) spends most of its time in two kinds of work that
 load different units: decode attention reads the KV cache (HBM-bound) and the linears of prefill tokens multiply
@@ -9,11 +9,16 @@ other. This times, over `layers` Llama-3-8B layers captured in CUDA graphs: the 
 sequences with contexts drawn from 1024-2048, the four linears of one layer for M tokens, both one after the
 other on one stream, and both at once on two streams (fork/join inside one graph). `hidden` is the serial time
 less the concurrent one, as a share of the shorter of the two.
+
+--attention-sms N...: also with attention confined to a green context of N multiprocessors (torch.cuda.green_contexts;
+the linears keep the whole GPU, so they can still take the free ones), launched eagerly (green-context streams are
+not captured), timed by the wall clock around both streams' work.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from functools import partial
 from pathlib import Path
 
@@ -50,11 +55,63 @@ def graph_of(*stream_work) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def wall_ms(run, reps: int = 10) -> float:
+    """Median wall time of `run()` (which synchronizes what it launched), after one warm-up."""
+    run()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[reps // 2] * 1e3
+
+
+def on(stream: torch.cuda.Stream, calls: list) -> None:
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+
+
+def partitioned_rows(attend: list, linears_by_m: dict[int, list], sms: list[int]) -> list[dict]:
+    """Attention on a green context of n multiprocessors beside the linears on the whole GPU, eagerly."""
+    from torch.cuda.green_contexts import GreenContext
+
+    side = torch.cuda.Stream()
+    full_attention = wall_ms(lambda: (on(side, attend), side.synchronize()))
+    rows = []
+    for n in sms:
+        green = GreenContext.create(num_sms=n, device_id=0).Stream()
+        confined = wall_ms(lambda g=green: (on(g, attend), g.synchronize()))
+        for m, linears in linears_by_m.items():
+            gemm = wall_ms(lambda ls=linears: (on(side, ls), side.synchronize()))
+
+            def both(g=green, ls=linears) -> None:
+                on(g, attend)
+                on(side, ls)
+                g.synchronize()
+                side.synchronize()
+
+            together = wall_ms(both)
+            rows.append(
+                dict(
+                    attention_sms=n,
+                    tokens=m,
+                    attention_ms=full_attention,
+                    confined_ms=confined,
+                    gemm_ms=gemm,
+                    concurrent_ms=together,
+                    hidden=(full_attention + gemm - together) / min(full_attention, gemm),
+                )
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256, help="decoding sequences")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--ms", type=int, nargs="+", default=[256, 512, 1024, 2048], help="prefill tokens")
+    parser.add_argument("--attention-sms", type=int, nargs="*", default=[], help="green-context sizes to try")
     parser.add_argument("--out", type=Path, default=Path("bench_overlap.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -68,12 +125,12 @@ def main() -> None:
     attend = [partial(attention.run_paged_attention, *b, HEAD_DIM**-0.5, config) for b in batches]  # a cache a layer
     weights = {name: torch.randn(shape, device="cuda", dtype=DTYPE) * 0.02 for name, shape in LINEARS.items()}
     attn_ms = median_ms(graph_of(attend).replay)
-    rows = []
+    rows, linears_by_m = [], {}
     for m in args.ms:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=DTYPE)
         h = torch.randn(m, INTERMEDIATE, device="cuda", dtype=DTYPE)
         layer = [partial(torch.mm, h if name == "down" else x, w.T) for name, w in weights.items()]
-        linears = layer * args.layers
+        linears = linears_by_m[m] = layer * args.layers
         gemm_ms = median_ms(graph_of(linears).replay)
         serial_ms = median_ms(graph_of(attend + linears).replay)
         both_ms = median_ms(graph_of(attend, linears).replay)
@@ -105,7 +162,25 @@ def main() -> None:
             ("hidden", "hidden", ".0%"),
         ],
     )
-    write_json(args.out, dict(batch=args.batch, layers=args.layers, copy_tbps=copy_tbps, rows=rows))
+    partitioned = partitioned_rows(attend, linears_by_m, args.attention_sms) if args.attention_sms else []
+    if partitioned:
+        print_table(
+            "attention on a green context of N multiprocessors, the linears on the whole GPU (eager, wall clock)",
+            partitioned,
+            [
+                ("attention_sms", "N", "d"),
+                ("tokens", "prefill tokens", "d"),
+                ("attention_ms", "attention ms", ".3f"),
+                ("confined_ms", "on N ms", ".3f"),
+                ("gemm_ms", "linears ms", ".3f"),
+                ("concurrent_ms", "together ms", ".3f"),
+                ("hidden", "hidden", ".0%"),
+            ],
+        )
+    write_json(
+        args.out,
+        dict(batch=args.batch, layers=args.layers, copy_tbps=copy_tbps, rows=rows, partitioned=partitioned),
+    )
 
 
 if __name__ == "__main__":
