@@ -80,7 +80,8 @@ def partitioned_rows(attend: list, linears_by_m: dict[int, list], sms: list[int]
     full_attention = wall_ms(lambda: (on(side, attend), side.synchronize()))
     rows = []
     for n in sms:
-        green = GreenContext.create(num_sms=n, device_id=0).Stream()
+        context = GreenContext.create(num_sms=n, device_id=0)  # alive while its stream is used
+        green = context.Stream()
         confined = wall_ms(lambda g=green: (on(g, attend), g.synchronize()))
         for m, linears in linears_by_m.items():
             gemm = wall_ms(lambda ls=linears: (on(side, ls), side.synchronize()))
