@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         from atom_runtime.server.api_server import run_server
 
         if args.model is None:
-            args.model = default_artifact(args.device, args.dtype, args.quantization, args.quantization_exclude)
+            args.model = default_artifact(
+                args.device, args.dtype, args.quantization, args.quantization_exclude, args.block_size
+            )
             args.device, args.dtype, args.quantization = "auto", "auto", None  # fixed by that export
             args.quantization_exclude = []
             if args.command == "serve":

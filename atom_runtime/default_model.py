@@ -21,6 +21,7 @@ import torch
 import atom_compile
 import atom_models
 from atom_compile import artifact
+from atom_compile.options import DEFAULT_BLOCK_SIZE
 from atom_models import resolve_device
 from atom_models.ops import default_backend
 
@@ -35,7 +36,11 @@ def cache_root() -> Path:
 
 
 def artifact_key(
-    device: torch.device, dtype: str, quantization: str | None, quantization_exclude: Sequence[str] = ()
+    device: torch.device,
+    dtype: str,
+    quantization: str | None,
+    quantization_exclude: Sequence[str] = (),
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> dict:
     """The fields that decide whether a cached artifact of the demo model can serve here."""
     return {
@@ -45,16 +50,23 @@ def artifact_key(
         "dtype": dtype,
         "quantization": quantization,
         **({"quantization_exclude": sorted(set(quantization_exclude))} if quantization_exclude else {}),
+        **({"block_size": block_size} if block_size != DEFAULT_BLOCK_SIZE else {}),
         "model": {name: artifact.file_digest(DEMO_DIR / name) for name in ("config.json", "model.safetensors")},
     }
 
 
 def default_artifact(
-    device: str = "auto", dtype: str = "auto", quantization: str | None = None, quantization_exclude: Sequence[str] = ()
+    device: str = "auto",
+    dtype: str = "auto",
+    quantization: str | None = None,
+    quantization_exclude: Sequence[str] = (),
+    block_size: int | None = None,
 ) -> Path:
-    """The demo model's artifact for this machine: from the cache, or exported into it first."""
+    """The demo model's artifact for this machine (and KV-cache block size): from the cache, or exported into it
+    first."""
     target = resolve_device(device)
-    key = artifact_key(target, dtype, quantization, quantization_exclude)
+    block_size = block_size or DEFAULT_BLOCK_SIZE
+    key = artifact_key(target, dtype, quantization, quantization_exclude, block_size)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / f"{DEMO_NAME}-{target.type}-{digest}"
     if atom_compile.is_artifact(path):
@@ -69,6 +81,7 @@ def default_artifact(
         dtype=dtype,
         quantization=quantization,
         quantization_exclude=quantization_exclude,
+        block_size=block_size,
         weights="copy",
     )
     return path

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.default_model import DEMO_DIR, DEMO_NAME, default_artifact
+from atom_runtime.default_model import DEMO_DIR, DEMO_NAME, artifact_key, default_artifact
 from atom_runtime.loading import create_engine
 from atom_runtime.server.api_server import build_app
 from tests.test_server import ServerThread
@@ -76,6 +76,15 @@ def test_demo_files():
     assert "chat_template" in json.loads((DEMO_DIR / "tokenizer_config.json").read_text())
     readme = (DEMO_DIR / "README.md").read_text()
     assert "Held-out perplexity" in readme and "PSF" in readme
+
+
+def test_cache_key_names_a_block_size_other_than_the_default():
+    """Caches exported before the block size was an export option stay valid; another block size is its own."""
+    cpu = torch.device("cpu")
+    assert "block_size" not in artifact_key(cpu, "auto", None) and artifact_key(cpu, "auto", None, (), 16) == (
+        artifact_key(cpu, "auto", None)
+    )
+    assert artifact_key(cpu, "auto", None, (), 32)["block_size"] == 32
 
 
 def test_eager_matches_hf(hf_greedy):
