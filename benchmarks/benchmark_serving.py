@@ -253,7 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--endpoint", help="API path (default: the backend's)")
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--tokenizer", help="tokenizer directory for the random prompts (default: see docs)")
-    parser.add_argument("--dataset-name", choices=["random"], default="random")
+    parser.add_argument(
+        "--dataset-name", choices=["random"], default="random", help="random token prompts (the only set; ATOM's flag)"
+    )
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
