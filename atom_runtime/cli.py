@@ -1,7 +1,8 @@
 """`atom-run`: serve a model over HTTP, or generate once from the command line.
 
     atom-run serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name NAME] [engine flags]
-    atom-run generate [MODEL] (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--json] [engine flags]
+    atom-run generate [MODEL] (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--stop TEXT]... [--json]
+        [engine flags]
 
 MODEL is a model directory (or a compiled artifact directory); it goes to `create_engine` as is.
 Without MODEL, the demo model shipped with atom runs, from an artifact exported once and cached
@@ -112,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus (default: %(default)s)")
     generate.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="-1: off (default: %(default)s)")
+    generate.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)"
+    )
+    generate.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens past end-of-sequence tokens")
     generate.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
     add_engine_args(generate)  # its --seed also seeds this request's sampling
     return parser
@@ -155,7 +160,13 @@ async def _generate(args: argparse.Namespace) -> None:
     from atom_runtime.server.profiler import EngineProfiler
 
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     engine = create_engine(args.model, **create_engine_kwargs(args))
     profiler = None

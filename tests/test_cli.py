@@ -58,6 +58,18 @@ def test_generate_token_ids_in_process(tiny_llama, llm, capsys):
     assert capsys.readouterr().out == expected[0].outputs[0].text + "\n"
 
 
+def test_generate_stop_and_ignore_eos(tiny_llama, llm, capsys):
+    argv = ["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "12", "--temperature", "0", "--json"]
+    main([*argv, "--ignore-eos"])
+    text = json.loads(capsys.readouterr().out)["text"]
+    stop = text[4:6]  # a piece of what greedy decoding writes
+    main([*argv, "--ignore-eos", "--stop", "no such text", "--stop", stop])
+    got = json.loads(capsys.readouterr().out)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["no such text", stop])
+    expected = llm.generate("Hello", params)[0].outputs[0]
+    assert got["finish_reason"] == "stop" and got["text"] == expected.text == text[: text.index(stop)]
+
+
 def test_generate_top_k_1_is_greedy(tiny_llama, capsys):
     argv = ["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "8", "--json"]
     main([*argv, "--temperature", "0"])
