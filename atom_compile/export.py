@@ -58,7 +58,12 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
     options = options or ExportOptions()
     options.validate()
     model_dir, output = Path(model_dir).resolve(), Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)  # now, not after the minutes of compiling
+    # Checked now, not after the minutes of compiling: an export replaces only an artifact, never other files.
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output {output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not (output / artifact.MANIFEST).is_file():
+        raise ValueError(f"output {output} is a directory with files that are not an atom artifact; choose another")
+    output.parent.mkdir(parents=True, exist_ok=True)
     device = resolve_device(options.device)
     backend = options.backend or default_backend(device)
     if backend not in available_backends(device):
@@ -75,6 +80,11 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         propagate_fake_values(traced.graph_module)
         top, pieces = split_at_attention(traced.graph_module)
         max_model_len = options.max_model_len or model.config.max_position_embeddings
+        if max_model_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{model.config.max_position_embeddings}"
+            )
         staging = Path(tempfile.mkdtemp(prefix=".atom-export-", dir=output.parent))
         try:
             piece_entries = _write_pieces(staging, top, pieces, options.level, device)

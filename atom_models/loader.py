@@ -134,8 +134,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_checkpoint(model_dir: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    files = checkpoint_files(model_dir)
-    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    handles = []
+    for file in checkpoint_files(model_dir):
+        try:
+            handles.append(safe_open(str(file), framework="pt", device="cpu"))
+        except Exception as error:  # safetensors' own error type is not importable on every version
+            raise WeightLoadError(f"{file} is not a readable safetensors file: {error}") from error
     total = sum(len(list(h.keys())) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for handle in handles:

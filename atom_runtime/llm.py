@@ -31,10 +31,16 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
         quantization: str | None = None,
-        quantization_exclude: Sequence[str] = (),
+        quantization_exclude: str | Sequence[str] = (),
         load_dummy: bool = False,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,  # vLLM's; atom runs its own model code, never a checkpoint's
         **engine_args,
     ):
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: atom runs a model on one device")
+        if isinstance(quantization_exclude, str):
+            quantization_exclude = [quantization_exclude]
         self.engine = create_engine(
             model,
             dtype=dtype,
@@ -47,19 +53,23 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._loop = uvloop.new_event_loop()
 
+    def get_tokenizer(self):
+        return self.tokenizer
+
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: str | dict | Sequence[str | dict] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in the order given."""
+        """One finished RequestOutput per prompt, in the order given. A prompt is a string, or as vLLM takes them a
+        {"prompt": text} or {"prompt_token_ids": [...]} dict."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give either prompts or prompt_token_ids")
         if prompts is not None:
-            requests = [(p, None) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+            requests = [_request(p) for p in ([prompts] if isinstance(prompts, str | dict) else prompts)]
         else:
             ids = list(prompt_token_ids)
             requests = [(None, list(x)) for x in ([ids] if ids and isinstance(ids[0], int) else ids)]
@@ -84,7 +94,7 @@ class LLM:
         requests = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                list(conversation),
+                [_template_message(m) for m in conversation],
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
@@ -95,6 +105,8 @@ class LLM:
         return self._run(requests, sampling_params, use_tqdm)
 
     def _run(self, requests: list[tuple], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if self._loop.is_closed():
+            raise RuntimeError("this LLM has been shut down")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(requests)
         else:
@@ -128,3 +140,29 @@ class LLM:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(free_memory=False)  # no device calls from a collector, perhaps at interpreter exit
+
+
+def _request(prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt as `generate` takes it."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict) and set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"], None
+    if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+        return None, list(prompt["prompt_token_ids"])
+    raise TypeError(
+        f"a prompt is a string, {{'prompt': text}} or {{'prompt_token_ids': [...]}}, not {prompt!r:.80}; "
+        "token ids as a list go to prompt_token_ids="
+    )
+
+
+def _template_message(message: dict) -> dict:
+    """A chat message as templates take it: OpenAI's text parts joined with newlines, as vLLM and the server do."""
+    if "role" not in message:
+        raise ValueError(f"a chat message needs a role: {message!r:.80}")
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(part.get("type") != "text" for part in content):
+            raise ValueError("only text content parts are supported")
+        content = "\n".join(part["text"] for part in content)
+    return {**message, "content": content if content is not None else ""}

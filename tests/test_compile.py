@@ -236,6 +236,26 @@ def test_copied_weights_need_no_checkpoint(tiny_llama, tmp_path):
         ac.load_artifact(tmp_path / "artifact", rebuild=True)
 
 
+def test_export_replaces_only_an_artifact(eager_artifact, tiny_llama, tmp_path):
+    """An export never deletes what is not an artifact (the checkpoint itself, a user's files), and checks the output
+    and max_model_len before it loads anything."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("x")
+    checkpoint = shutil.copytree(tiny_llama, tmp_path / "checkpoint")
+    for output in (mine, checkpoint, checkpoint / "config.json"):
+        with pytest.raises(ValueError, match=f"output {re.escape(str(output))} (is a directory with files|exists and)"):
+            ac.export(checkpoint, output, device="cpu", level=0)
+    assert (mine / "thesis.txt").read_text() == "x" and (checkpoint / "model.safetensors").is_file()
+    for bad, message in ((0, "max_model_len must be positive"), (10**6, "exceeds the model's max_position_embeddings")):
+        with pytest.raises(ValueError, match=message):
+            ac.export(checkpoint, tmp_path / "never", device="cpu", level=0, max_model_len=bad)
+    assert not (tmp_path / "never").exists()
+    again = shutil.copytree(eager_artifact[0], tmp_path / "again")  # an artifact is replaced
+    ac.export(checkpoint, again, device="cpu", level=0)
+    assert json.loads((again / "manifest.json").read_text())["weights"]["model_dir"] == str(checkpoint)
+
+
 def test_dummy_weights_rebuild_from_their_config(tiny_llama, tmp_path):
     """Every weights mode records its source, so `--rebuild` can re-export any artifact (here one made by an older
     atom, with an export option since removed)."""

@@ -61,6 +61,26 @@ def test_prompt_token_ids_input(llm):
     )
 
 
+def test_prompts_as_vllm_takes_them(llm):
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    by_text = llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids
+    outputs = llm.generate([{"prompt": PROMPTS[1]}, {"prompt_token_ids": ids}], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [by_text, by_text] and outputs[0].prompt == PROMPTS[1]
+    for bad in ([1, 2, 3], {"prompt": 5}, {"prompt": "x", "extra": 1}, [{"text": "x"}]):
+        with pytest.raises(TypeError, match="a prompt is a string"):
+            llm.generate(bad, GREEDY)
+
+
+def test_vllm_arguments(tiny_llama):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: atom runs a model on one device"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=2)
+    one = LLM(tiny_llama, device="cpu", tensor_parallel_size=1, trust_remote_code=True)
+    assert one.get_tokenizer() is one.tokenizer
+    one.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM has been shut down"):
+        one.generate("x", GREEDY)
+
+
 def test_chat_is_generate_over_the_chat_template(llm):
     tokenizer = llm.tokenizer
     conversations = [
@@ -80,6 +100,13 @@ def test_chat_is_generate_over_the_chat_template(llm):
         [{"role": "assistant", "content": "The"}], params, add_generation_prompt=False, continue_final_message=True
     )
     assert continued.prompt.endswith("The")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    (joined,) = llm.chat(parts, params)  # OpenAI's text parts, joined with newlines
+    assert joined.prompt == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "h\ni"}], add_generation_prompt=True, tokenize=False
+    )
+    with pytest.raises(ValueError, match="a chat message needs a role"):
+        llm.chat([{"content": "hi"}], params)
 
 
 def test_eos_stops(llm):

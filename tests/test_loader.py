@@ -76,6 +76,16 @@ def test_index_names_a_missing_file(tmp_path, make_checkpoint):
         load_model(target, progress=False)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_an_unreadable_safetensors_file_is_named(broken, damage):
+    model_dir, _ = broken
+    path = model_dir / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(b"garbage\n" if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(WeightLoadError, match=rf"{path} is not a readable safetensors file"):
+        load_model(model_dir, progress=False)
+
+
 def test_dtype_choice(tiny_llama):
     assert load_model(tiny_llama, dtype="bfloat16", progress=False).lm_head.weight.dtype == torch.bfloat16
     assert load_model(tiny_llama, dtype="auto", progress=False).lm_head.weight.dtype == torch.float32
