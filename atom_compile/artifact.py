@@ -83,7 +83,9 @@ def environment(device: torch.device) -> dict[str, str | int | None]:
 def read_manifest(path: Path) -> dict:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise ArtifactError(f"{path} is not an atom artifact: it has no {MANIFEST}")
+        raise ArtifactError(
+            f"{path} does not exist" if not path.exists() else f"{path} is not an atom artifact: it has no {MANIFEST}"
+        )
     try:
         return json.loads(manifest_path.read_text())
     except json.JSONDecodeError as error:

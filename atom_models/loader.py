@@ -129,6 +129,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
+        if (model_dir / "manifest.json").is_file():
+            raise WeightLoadError(f"{model_dir} is an atom artifact, not a model directory (export from its source)")
         raise WeightLoadError(f"no *.safetensors files in {model_dir}")
     return files
 

@@ -203,9 +203,13 @@ def test_corrupted_file(artifact_copy):
         ac.load_artifact(artifact_copy)
 
 
-def test_not_an_artifact(tmp_path):
+def test_not_an_artifact(tmp_path, eager_artifact):
     with pytest.raises(ArtifactError, match="is not an atom artifact"):
         ac.load_artifact(tmp_path)
+    with pytest.raises(ArtifactError, match=f"{tmp_path / 'nothing'} does not exist"):
+        ac.load_artifact(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="is an atom artifact, not a model directory"):
+        ac.export(eager_artifact[0], tmp_path / "out", device="cpu", level=0)
 
 
 def test_changed_weights_then_rebuild(eager_artifact, tmp_path):
