@@ -24,7 +24,7 @@ from atom_compile.load import load_pieces, load_top_graph
 from atom_compile.options import ExportOptions
 from atom_compile.passes import resolve_pipeline, run_passes
 from atom_compile.trace import TracedModel, trace_model
-from atom_models import load_config, resolve_device, resolve_dtype
+from atom_models import load_config, resolve_device, resolve_dtype, resolve_max_model_len
 from atom_models.loader import build_model, checkpoint_files, fill_dummy_weights, load_weights, projections
 from atom_models.ops import available_backends, default_backend, use_backend
 
@@ -70,7 +70,9 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         raise ValueError(
             f"ops backend {backend!r} is not available on {device}; available: {available_backends(device)}"
         )
-    pipeline = resolve_pipeline(options.passes)  # an unknown pass is an error now, not after loading and tracing
+    # an unknown pass or a context the model lacks is an error now, not after loading and tracing
+    pipeline = resolve_pipeline(options.passes)
+    max_model_len = resolve_max_model_len(options.max_model_len, load_config(model_dir))
     started = time.perf_counter()
     with use_backend(backend):
         model, traced = trace_model_dir(model_dir, options)
@@ -79,12 +81,6 @@ def export_model(model_dir: str | Path, output: str | Path, options: ExportOptio
         _say("passes: " + ", ".join(f"{r.name}×{r.matches}" for r in records))
         propagate_fake_values(traced.graph_module)
         top, pieces = split_at_attention(traced.graph_module)
-        max_model_len = options.max_model_len or model.config.max_position_embeddings
-        if max_model_len > model.config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{model.config.max_position_embeddings}"
-            )
         staging = Path(tempfile.mkdtemp(prefix=".atom-export-", dir=output.parent))
         try:
             piece_entries = _write_pieces(staging, top, pieces, options.level, device)

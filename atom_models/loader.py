@@ -79,6 +79,17 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.d
     return DTYPES[dtype]
 
 
+def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> int:
+    """The context a model is exported or served for: the model's max_position_embeddings unless less is asked."""
+    if requested is None:
+        return config.max_position_embeddings
+    if requested > config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings {config.max_position_embeddings}"
+        )
+    return requested
+
+
 @contextmanager
 def default_dtype_and_device(dtype: torch.dtype, device: torch.device):
     previous = torch.get_default_dtype()

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreT
 
 from atom_compile import is_artifact, load_artifact
 from atom_compile.options import DEFAULT_BLOCK_SIZE
-from atom_models import load_config, resolve_device, resolve_dtype
+from atom_models import load_config, resolve_device, resolve_dtype, resolve_max_model_len
 from atom_models.loader import build_model, fill_dummy_weights, load_weights
 from atom_models.ops import default_backend, set_backend
 from atom_runtime.async_engine import AsyncEngine
@@ -123,11 +123,7 @@ def create_core(
     else:
         loaded = load_hf_model(model, dtype, resolve_device(device), quantization, load_dummy, quantization_exclude)
         config.block_size = config.block_size or DEFAULT_BLOCK_SIZE
-    context = loaded.config.max_position_embeddings
-    if config.max_model_len is None:
-        config.max_model_len = context
-    elif config.max_model_len > context:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {context}")
+    config.max_model_len = resolve_max_model_len(config.max_model_len, loaded.config)
     tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
     torch.manual_seed(config.seed)
     runner = ModelRunner(loaded, config, Sampler())

@@ -99,16 +99,33 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def graph_ms(calls: list, warmup_ms: int = 25, rep_ms: int = 200) -> float:
-    """Median time of one call, from replays of a CUDA graph that runs every call once."""
-    for call in calls:
-        call()  # compile and warm up outside the capture
+def capture_graph(*stream_work) -> torch.cuda.CUDAGraph:
+    """One graph running each list of calls on its own stream, all forked from and joined to the capture stream (each
+    call run once first, outside the capture, to compile and warm up)."""
+    for work in stream_work:
+        for call in work:
+            call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    streams = [torch.cuda.Stream() for _ in stream_work[1:]]
     with torch.cuda.graph(graph):
-        for call in calls:
+        main = torch.cuda.current_stream()
+        for stream in streams:
+            stream.wait_stream(main)
+        for call in stream_work[0]:
             call()
-    return median_ms(graph.replay, warmup_ms, rep_ms) / len(calls)
+        for stream, work in zip(streams, stream_work[1:], strict=True):
+            with torch.cuda.stream(stream):
+                for call in work:
+                    call()
+        for stream in streams:
+            main.wait_stream(stream)
+    return graph
+
+
+def graph_ms(calls: list, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Median time of one call, from replays of a CUDA graph that runs every call once."""
+    return median_ms(capture_graph(calls).replay, warmup_ms, rep_ms) / len(calls)
 
 
 def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

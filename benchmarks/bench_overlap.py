@@ -23,36 +23,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench_common import copy_bandwidth, median_ms, print_table, projections, write_json
+from bench_common import capture_graph, copy_bandwidth, median_ms, print_table, projections, write_json
 from bench_kernels import DTYPE, HEAD_DIM, paged_batch
 
 from atom_models.ops.triton_kernels import attention
 
 LINEARS = {name: (n, k) for name, n, k in projections("llama-3-8b") if name != "lm_head"}
 HIDDEN, INTERMEDIATE = LINEARS["o"][0], LINEARS["down"][1]
-
-
-def graph_of(*stream_work) -> torch.cuda.CUDAGraph:
-    """One graph running each list of calls on its own stream, all forked from and joined to the capture stream."""
-    for work in stream_work:
-        for call in work:
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    streams = [torch.cuda.Stream() for _ in stream_work[1:]]
-    with torch.cuda.graph(graph):
-        main = torch.cuda.current_stream()
-        for stream in streams:
-            stream.wait_stream(main)
-        for call in stream_work[0]:
-            call()
-        for stream, work in zip(streams, stream_work[1:], strict=True):
-            with torch.cuda.stream(stream):
-                for call in work:
-                    call()
-        for stream in streams:
-            main.wait_stream(stream)
-    return graph
 
 
 def wall_ms(run, reps: int = 10) -> float:
@@ -125,16 +102,16 @@ def main() -> None:
     batches = [paged_batch([1] * args.batch, contexts) for _ in range(args.layers)]
     attend = [partial(attention.run_paged_attention, *b, HEAD_DIM**-0.5, config) for b in batches]  # a cache a layer
     weights = {name: torch.randn(shape, device="cuda", dtype=DTYPE) * 0.02 for name, shape in LINEARS.items()}
-    attn_ms = median_ms(graph_of(attend).replay)
+    attn_ms = median_ms(capture_graph(attend).replay)
     rows, linears_by_m = [], {}
     for m in args.ms:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=DTYPE)
         h = torch.randn(m, INTERMEDIATE, device="cuda", dtype=DTYPE)
         layer = [partial(torch.mm, h if name == "down" else x, w.T) for name, w in weights.items()]
         linears = linears_by_m[m] = layer * args.layers
-        gemm_ms = median_ms(graph_of(linears).replay)
-        serial_ms = median_ms(graph_of(attend + linears).replay)
-        both_ms = median_ms(graph_of(attend, linears).replay)
+        gemm_ms = median_ms(capture_graph(linears).replay)
+        serial_ms = median_ms(capture_graph(attend + linears).replay)
+        both_ms = median_ms(capture_graph(attend, linears).replay)
         flops = 2 * m * sum(n * k for n, k in LINEARS.values()) * args.layers
         rows.append(
             dict(
