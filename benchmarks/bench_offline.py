@@ -70,6 +70,7 @@ def main() -> None:
         "output_tok_s": generated / seconds,
         "total_tok_s": (generated + sum(input_lens)) / seconds,
         "preemptions": stats.num_preemptions,
+        "steps": stats.num_steps,
         "kv_cache_tokens": kv_tokens,
     }
     print_table(
@@ -84,6 +85,7 @@ def main() -> None:
             ("output_tok_s", "output tok/s", ".0f"),
             ("total_tok_s", "total tok/s", ".0f"),
             ("preemptions", "preempt", "d"),
+            ("steps", "steps", "d"),
             ("kv_cache_tokens", "KV tokens", "d"),
         ],
     )
