@@ -261,15 +261,21 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     pointers = {"q_ptr": BF16, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": BF16, "tickets_ptr": I32}
     pointers |= {"block_tables_ptr": I32, "seq_lens_ptr": I32, "query_start_loc_ptr": I32}
     config = attention.default_config(128)
-    # mixed launches, decode-only ones of a batch, and of a lone sequence (split by the tile, its own stages)
-    for decode_only, lone in ((False, False), (True, False), (True, True)):
+    # a mixed batch's prefill tiles and its decode programs, decode-only launches of a batch, and of a lone sequence
+    # (split by the tile, its own stages)
+    for tile_launch, decode_only, lone in (
+        (True, False, False),
+        (False, False, False),
+        (False, True, False),
+        (False, True, True),
+    ):
         tiles = {"BLOCK_Q": config.block_m // 4, "BLOCK_N": config.block_n, "DECODE_ROWS": 16, "BLOCK_SIZE": 16}
         constexprs = {"GROUP": 4, "GROUP_P": 4, "HEAD_DIM": 128, **tiles, "SPLITS": config.merge_elements // (4 * 128)}
         split_keys = config.decode_block_n if lone else config.split_keys
         constexprs |= {"DECODE_BLOCK_N": config.decode_block_n, "DECODE_SPLIT_KEYS": split_keys}
         constexprs |= {"KV_SCALES": fp8_cache and not inline, "INLINE_SCALES": inline, "DECODE_ONLY": decode_only}
-        constexprs |= {"LONE": lone}
-        warps = config.decode_warps if decode_only else config.num_warps
+        constexprs |= {"LONE": lone, "TILES": tile_launch}
+        warps = config.num_warps if tile_launch else config.decode_warps
         stages = config.lone_decode_stages if lone else config.num_stages
         constexprs |= {"DECODE_VALUES_WITH_KEYS": stages == 1}
         ptx = build(attention._attention_kernel, pointers, constexprs, num_warps=warps, num_stages=stages)
@@ -286,7 +292,8 @@ for fp8_cache, inline in ((False, False), (True, False), (True, True)):
     # launches that split no context: their own decode tiles, a merge of one
     for decode_only in (False, True):
         unsplit = constexprs | {"DECODE_BLOCK_N": config.unsplit_block_n, "SPLITS": 1, "DECODE_ONLY": decode_only}
-        unsplit |= {"LONE": False, "DECODE_VALUES_WITH_KEYS": False}
-        warps = config.decode_warps if decode_only else config.num_warps
-        build(attention._attention_kernel, pointers, unsplit, num_warps=warps, num_stages=config.num_stages)
+        unsplit |= {"LONE": False, "DECODE_VALUES_WITH_KEYS": False, "TILES": False}
+        build(
+            attention._attention_kernel, pointers, unsplit, num_warps=config.decode_warps, num_stages=config.num_stages
+        )
 print("all kernels lowered for sm_90")
