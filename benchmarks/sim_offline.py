@@ -47,6 +47,7 @@ class CostModel:
     attention_flops_per_pair: int  # a prefill (query, key) pair, all heads and layers
     linear_points: list[tuple[int, float]]  # (M tokens, ms) of the decoder layers' linears, M ascending
     kv_tb_s: float
+    mixed_kv_tb_s: float  # in steps that carry prefill tokens too
     prefill_attention_tflops: float
 
     @classmethod
@@ -78,9 +79,10 @@ class CostModel:
                 decode_context += c.start + 1
             else:
                 prefill_pairs += c.num_tokens * (c.start + (c.num_tokens + 1) / 2)
+        kv_tb_s = self.mixed_kv_tb_s if prefill_pairs else self.kv_tb_s
         return {
             "linears, steps with prefill" if prefill_pairs else "linears, decode steps": self.linear_s(tokens),
-            "decode attention": decode_context * self.kv_bytes_per_token / (self.kv_tb_s * 1e12),
+            "decode attention": decode_context * self.kv_bytes_per_token / (kv_tb_s * 1e12),
             "prefill attention": prefill_pairs * self.attention_flops_per_pair / (self.prefill_attention_tflops * 1e12),
             "lm head": self.linear_s(samples) * self.head_params / self.layer_params if samples else 0.0,
         }
@@ -163,6 +165,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=440_000, help="the KV cache bench_offline reported")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-tb-s", type=float, default=2.96, help="decode attention's KV read rate")
+    parser.add_argument(
+        "--mixed-kv-tb-s", type=float, default=2.05, help="the same in steps with prefill tokens (their tiles' tail in)"
+    )
     parser.add_argument("--copy-tb-s", type=float, default=2.94, help="HBM copy bandwidth")
     parser.add_argument("--prefill-attention-tflops", type=float, default=300.0)
     parser.add_argument(
@@ -176,7 +181,11 @@ def main() -> None:
 
     points = sorted((int(m), float(ms)) for m, ms in (p.split(":") for p in args.linear_ms))
     cost = CostModel.for_preset(
-        args.preset, linear_points=points, kv_tb_s=args.kv_tb_s, prefill_attention_tflops=args.prefill_attention_tflops
+        args.preset,
+        linear_points=points,
+        kv_tb_s=args.kv_tb_s,
+        mixed_kv_tb_s=args.mixed_kv_tb_s,
+        prefill_attention_tflops=args.prefill_attention_tflops,
     )
     rows = []
     for seqs in args.max_num_seqs:
