@@ -6,16 +6,19 @@
 The real `EngineCore` (scheduler, block manager, preemption, the step loop) runs the requests; a stand-in runner
 charges each step the time the measured rates give it instead of running a model:
 - decode attention: the step's context tokens x KV bytes a token, read at `--kv-tb-s` (decode attention's measured
-  rate at batch 256, `bench_kernels.py --only decode`); prefill attention's FLOPs at `--prefill-attention-tflops`;
+  rate at batch 256, `bench_kernels.py --only decode`), or at `--mixed-kv-tb-s` in a step with prefill tokens (a
+  profiled mixed step's, the prefill tiles' launch in); prefill attention's FLOPs at `--prefill-attention-tflops`;
 - the decoder layers' linears for M tokens: interpolated between `--linear-ms M:ms` points, the whole model's
   qkv/o/gate_up/down (defaults: `bench_overlap.py`'s 8-layer timings x 4 for M >= 256; M = 1 is the batch-1 step
   less its LM head and attention, from `bench_decode.py`); the LM head as those linears scaled by its share of the
   weights, for the rows that sample.
-Defaults are Llama-3-8B's on one H100 (twenty-fourth session, 39c94bc), where this model gives 132 s for the run
-`bench_offline.py` measured at 135 s. It prints the modeled run for each setting and two floors: `serial` (every
-byte of KV read once at the attention rate, every prompt token's linears at the large-M rate, the fewest decode
-steps `max_num_seqs` allows, nothing recomputed) and `hbm` (the bytes the run must move, KV and a weight read a
-decode step, at `--copy-tb-s`, with all compute hidden under them).
+Defaults are Llama-3-8B's on one H100 (twenty-fourth and twenty-fifth sessions); against `bench_offline.py` at
+048deee the model gives 131.0 s for 133.8 measured (budget 8192) and 141.2 for 139.3 (budget 512).
+
+It prints the modeled run for each setting and two floors: `serial` (every byte of KV read once at the decode rate,
+every prompt token's linears at the large-M rate, the fewest decode steps `max_num_seqs` allows, nothing recomputed)
+and `hbm` (the bytes the run must move, KV and a weight read a decode step, at `--copy-tb-s`, with all compute hidden
+under them).
 """
 
 from __future__ import annotations
