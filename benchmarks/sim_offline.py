@@ -144,9 +144,10 @@ def floors(cost: CostModel, args: argparse.Namespace, max_num_seqs: int, copy_tb
     """Seconds no schedule beats: `serial` runs the parts one after the other at the measured rates, `hbm` hides
     every FLOP under the bytes that must move."""
     n, prompt, out = args.num_prompts, args.input_len, args.output_len
-    kv_bytes = n * sum(prompt + i for i in range(1, out + 1)) * cost.kv_bytes_per_token
+    # A prompt's step samples its first token; each later one takes a decode step at contexts prompt + 1, + 2, ...
+    kv_bytes = n * sum(prompt + i for i in range(1, out)) * cost.kv_bytes_per_token
     batch = min(n, max_num_seqs)
-    decode_steps = n * out / batch
+    decode_steps = n * (out - 1) / batch
     big_m = cost.linear_points[-1][0]
     prefill = n * prompt * cost.linear_s(big_m) / big_m
     decode = decode_steps * cost.linear_s(batch) * (1 + cost.head_params / cost.layer_params)
