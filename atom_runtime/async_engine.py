@@ -75,6 +75,7 @@ class _RequestState:
     metrics: RequestMetrics
     stream: bool = True
     notified: bool = False  # a _CHANGED is queued that the caller has not taken yet
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once the first token comes
 
     @property
     def finished(self) -> bool:
@@ -88,6 +89,7 @@ class _RequestState:
             [c.output() for c in self.completions],
             finished=self.finished,
             metrics=self.metrics,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -304,7 +306,13 @@ class AsyncEngine:
                 continue  # already ended by a stop string; the core has been told
             completion.token_ids.append(token)
             if completion.logprobs is not None and output.sampled.logprobs is not None:
-                self._add_logprobs(completion, token, output.sampled, row, state.params)
+                entry = self._logprob_entry(output.sampled, row, state.params.logprobs, state.params.detokenize)
+                completion.logprobs.append(entry)
+                completion.cumulative_logprob += entry[token].logprob
+            if output.prompt_scores and row in output.prompt_scores and state.prompt_logprobs is None:
+                scores, k, text = output.prompt_scores[row], state.params.prompt_logprobs, state.params.detokenize
+                state.prompt_logprobs = [None]
+                state.prompt_logprobs += [self._logprob_entry(scores, i, k, text) for i in range(len(scores.token_ids))]
             detokenizer = completion.detokenizer
             stop = detokenizer.add(token) if detokenizer is not None else None
             if stop is not None:
@@ -330,17 +338,15 @@ class AsyncEngine:
                 state.notified = True
                 state.queue.put_nowait(_CHANGED)
 
-    def _add_logprobs(
-        self, completion: _Completion, token: int, sampled: SampledTokens, row: int, params: SamplingParams
-    ) -> None:
-        keep = 1 + params.logprobs
-        ids, values = sampled.logprob_token_ids[row][:keep], sampled.logprobs[row][:keep]
-        decode = self._decode_one if params.detokenize else lambda _: None
-        entry = {token: Logprob(values[0], sampled.ranks[row], decode(token))}
+    def _logprob_entry(self, rows: SampledTokens, row: int, k: int, detokenize: bool) -> dict[int, Logprob]:
+        """Row `row`'s token with its logprob and rank, then its top `k` (vLLM's dict: the token first)."""
+        token = rows.token_ids[row]
+        ids, values = rows.logprob_token_ids[row][: 1 + k], rows.logprobs[row][: 1 + k]
+        decode = self._decode_one if detokenize else lambda _: None
+        entry = {token: Logprob(values[0], rows.ranks[row], decode(token))}
         for rank, (top, value) in enumerate(zip(ids[1:], values[1:], strict=True), 1):
             entry.setdefault(top, Logprob(value, rank, decode(top)))
-        completion.logprobs.append(entry)
-        completion.cumulative_logprob += values[0]
+        return entry
 
     def _decode_one(self, token_id: int) -> str:
         return self.backend_tokenizer.decode([token_id], skip_special_tokens=False)

@@ -40,6 +40,8 @@ class StepOutput:
     sampled: SampledTokens  # with the logprobs, for rows whose request asked for them
     skipped: set[int] = field(default_factory=set)  # rows whose sequence had already finished: no token
     finished: dict[int, tuple[str, int | None]] = field(default_factory=dict)  # row -> (finish_reason, stop_reason)
+    # row -> its prompt's scores (prompt_logprobs: position p scores token p + 1), with the sequence's first token
+    prompt_scores: dict[int, SampledTokens] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class InFlight:
     seqs: list[Sequence]  # the sequences it samples for, one per row
     positions: list[int]  # where each one's placeholder token sits
     needs_penalties: bool  # some row applies penalties: the next step needs its tokens on the host first
+    scored: list[tuple[Sequence, int]]  # sequences whose prompt positions it scored, and how many, in row order
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,10 @@ class EngineLimits:
             )
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise InvalidRequestError(
-                f"logprobs={params.logprobs} exceeds the server's max_logprobs={self.max_logprobs}",
-                "logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidRequestError(f"{name}={value} exceeds the server's max_logprobs={self.max_logprobs}", name)
 
 
 @dataclass
@@ -215,10 +217,15 @@ class EngineCore:
         """Advance the scheduled sequences past this step; a sampling one gets a placeholder for its token."""
         seqs: list[Sequence] = []
         positions: list[int] = []
+        scored: list[tuple[Sequence, int]] = []
         penalties = False
         for chunk in chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.scored:
+                scored.append((seq, len(chunk.scored)))
+                seq.num_prompt_scored = chunk.scored.stop
+                seq.scores_prompt = seq.num_prompt_scored < seq.num_prompt_tokens - 1
             if chunk.samples:
                 position = len(seq.token_ids)
                 seq.sample_row = len(seqs)
@@ -226,7 +233,7 @@ class EngineCore:
                 positions.append(position)
                 seq.token_ids.append(PLACEHOLDER)
                 penalties = penalties or seq.params.needs_penalties
-        return InFlight(sample, seqs, positions, penalties) if sample is not None else None
+        return InFlight(sample, seqs, positions, penalties, scored) if sample is not None else None
 
     def _finish_in_flight(self) -> StepOutput:
         flight, self.in_flight = self.in_flight, None
@@ -241,15 +248,32 @@ class EngineCore:
             sampled.token_ids,
             sampled,
         )
+        if flight.scored:
+            self._gather_prompt_scores(flight.scored, sampled.prompt)
         for row, (seq, position, token) in enumerate(zip(seqs, flight.positions, sampled.token_ids, strict=True)):
             if seq.status is FINISHED:  # aborted, or stopped by an earlier token: this one is dropped
                 output.skipped.add(row)
                 continue
+            if position == seq.num_prompt_tokens and seq.params.prompt_logprobs is not None:
+                output.prompt_scores[row] = seq.prompt_scores or SampledTokens([], [], [], [])
+                seq.prompt_scores = None
             seq.token_ids[position] = token
             num_tokens = position + 1
             if num_tokens >= seq.max_num_tokens or (token in seq.stops_on and num_tokens > seq.min_num_tokens):
                 output.finished[row] = self._stop(seq, token, num_tokens)
         return output
+
+    @staticmethod
+    def _gather_prompt_scores(scored: list[tuple[Sequence, int]], rows: SampledTokens) -> None:
+        """Add a step's scored prompt positions to their sequences' (`rows` holds them in `scored`'s order)."""
+        at = 0
+        for seq, n in scored:
+            mine = seq.prompt_scores = seq.prompt_scores or SampledTokens([], [], [], [])
+            mine.token_ids += rows.token_ids[at : at + n]
+            mine.logprob_token_ids += rows.logprob_token_ids[at : at + n]
+            mine.logprobs += rows.logprobs[at : at + n]
+            mine.ranks += rows.ranks[at : at + n]
+            at += n
 
     def _stop(self, seq: Sequence, token: int, num_tokens: int) -> tuple[str, int | None]:
         """Retire `seq`, which stops at `token`, its `num_tokens`-th; returns (finish_reason, stop_reason)."""

@@ -24,7 +24,7 @@ from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from atom_runtime.sampler import DeviceSample, Sampler
+from atom_runtime.sampler import DeviceSample, Sampler, on_device, with_logprobs
 from atom_runtime.scheduler import ScheduledChunk
 from atom_runtime.step_inputs import StepInputs
 
@@ -239,10 +239,16 @@ class ModelRunner:
             sizes = self.inputs.load(chunks, in_flight=previous)
             logits = self.model.forward(*self._step_args(*sizes))
         sampling = [c.seq for c in chunks if c.samples]
-        if not sampling:
-            return None
         n = len(sampling)
-        sample = self.sampler(logits[:n], sampling, self.inputs.draws(n), drawn[:n] if drawn is not None else None)
+        # Rows past the sampled ones: a decode graph's padding, or else prompt positions scored for prompt_logprobs.
+        prompt = self._score_prompts(chunks, logits[n:]) if logits.shape[0] > n and drawn is None else None
+        if not sampling and prompt is None:
+            return None
+        if sampling:
+            sample = self.sampler(logits[:n], sampling, self.inputs.draws(n), drawn[:n] if drawn is not None else None)
+        else:
+            sample = DeviceSample(torch.empty(0, dtype=torch.long, device=logits.device))
+        sample.prompt = prompt
         # Two steps can be in flight on the host side (one queued, one being read): alternate buffers.
         self._turn ^= 1
         if self._sampled_host:
@@ -250,6 +256,14 @@ class ModelRunner:
         else:
             sample.start_copy()
         return sample
+
+    @staticmethod
+    def _score_prompts(chunks: list[ScheduledChunk], logits: Tensor) -> DeviceSample:
+        """prompt_logprobs: each row scores the token after its prompt position (`ScheduledChunk.scored`)."""
+        scored = [c for c in chunks if c.scored]
+        targets = [t for c in scored for t in c.seq.token_ids[c.scored.start + 1 : c.scored.stop + 1]]
+        k = max(c.seq.params.prompt_logprobs for c in scored)
+        return with_logprobs(logits[: len(targets)], on_device(targets, torch.long, logits.device), k)
 
     def _step_args(self, tokens: int, seqs: int, logits: int, table_blocks: int | None = None) -> tuple:
         input_ids, positions, meta, logits_indices = self.inputs.views(tokens, seqs, logits, table_blocks)

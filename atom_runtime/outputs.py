@@ -42,3 +42,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing comes before it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

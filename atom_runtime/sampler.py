@@ -26,6 +26,7 @@ class SampledTokens:
     logprob_token_ids: list[list[int]] | None = None
     logprobs: list[list[float]] | None = None
     ranks: list[int] | None = None
+    prompt: SampledTokens | None = None  # the prompt positions scored for prompt_logprobs, in their rows' order
 
 
 @dataclass
@@ -40,6 +41,7 @@ class DeviceSample:
     logprob_token_ids: Tensor | None = None
     logprobs: Tensor | None = None
     ranks: Tensor | None = None
+    prompt: DeviceSample | None = None  # the prompt positions scored (their tokens, with logprobs), if any
     host: dict[str, Tensor] | None = None
     ready: torch.cuda.Event | None = None
 
@@ -49,6 +51,8 @@ class DeviceSample:
         `token_buffer` (pinned, at least as long as the batch) and `ready` let the caller reuse the
         host buffer and event of an earlier step, so the step loop allocates neither.
         """
+        if self.prompt is not None:
+            self.prompt.start_copy()
         tensors = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
         if self.token_ids.device.type != "cuda":
             self.host = tensors
@@ -70,14 +74,14 @@ class DeviceSample:
         if self.ready is not None:
             self.ready.synchronize()
         h = self.host
+        prompt = self.prompt.to_host() if self.prompt is not None else None
         if "logprobs" not in h:
-            return SampledTokens(h["token_ids"].tolist())
-        return SampledTokens(
-            h["token_ids"].tolist(), h["logprob_token_ids"].tolist(), h["logprobs"].tolist(), h["ranks"].tolist()
-        )
+            return SampledTokens(h["token_ids"].tolist(), prompt=prompt)
+        lists = [h[k].tolist() for k in ("token_ids", "logprob_token_ids", "logprobs", "ranks")]
+        return SampledTokens(*lists, prompt=prompt)
 
 
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small per-step tensor made without waiting for the device.
 
     `torch.tensor(values, device="cuda")` copies from pageable memory, which waits for every step
@@ -121,7 +125,7 @@ class Sampler:
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_logprobs is None:
             return DeviceSample(sampled)
-        return self._with_logprobs(raw_logits, sampled, num_logprobs)
+        return with_logprobs(raw_logits, sampled, num_logprobs)
 
     def _apply_penalties(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         batch, vocab = logits.shape
@@ -131,12 +135,12 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if not seq.params.needs_penalties:
                 continue
-            out = _on_device(seq.output_token_ids, torch.long, device)
+            out = on_device(seq.output_token_ids, torch.long, device)
             counts[row].index_add_(0, out, torch.ones(len(out), device=device))
-            seen[row, _on_device(seq.token_ids, torch.long, device)] = True
-        rep = _on_device([s.params.repetition_penalty for s in seqs], torch.float32, device).unsqueeze(1)
-        freq = _on_device([s.params.frequency_penalty for s in seqs], torch.float32, device).unsqueeze(1)
-        pres = _on_device([s.params.presence_penalty for s in seqs], torch.float32, device).unsqueeze(1)
+            seen[row, on_device(seq.token_ids, torch.long, device)] = True
+        rep = on_device([s.params.repetition_penalty for s in seqs], torch.float32, device).unsqueeze(1)
+        freq = on_device([s.params.frequency_penalty for s in seqs], torch.float32, device).unsqueeze(1)
+        pres = on_device([s.params.presence_penalty for s in seqs], torch.float32, device).unsqueeze(1)
         # Repetition penalty (prompt and output, as HF/vLLM): shrink positive logits, grow negative ones.
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
@@ -145,7 +149,7 @@ class Sampler:
     def _block_stop_tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens and seq.stops_on:
-                logits[row, _on_device(sorted(seq.stops_on), torch.long, logits.device)] = float("-inf")
+                logits[row, on_device(sorted(seq.stops_on), torch.long, logits.device)] = float("-inf")
         return logits
 
     def _filtered_draw(self, logits: Tensor, params: list[SamplingParams], draws: Draws) -> Tensor:
@@ -160,11 +164,11 @@ class Sampler:
         if any(k > 0 for k in top_k):
             scaled = self._top_k(scaled, top_k)
         if any(p < 1.0 for p in top_p):
-            scaled = self._top_p(scaled, _on_device(top_p, torch.float32, device))
+            scaled = self._top_p(scaled, on_device(top_p, torch.float32, device))
         if any(p > 0 for p in min_p):  # p < min_p * max(p), as logits: below max(scaled) + log(min_p)
-            floor = scaled.amax(dim=-1, keepdim=True) + _on_device(min_p, torch.float32, device).log().unsqueeze(1)
+            floor = scaled.amax(dim=-1, keepdim=True) + on_device(min_p, torch.float32, device).log().unsqueeze(1)
             scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-        unit = _on_device([0.0 if p.greedy else 1.0 for p in params], torch.float32, device)
+        unit = on_device([0.0 if p.greedy else 1.0 for p in params], torch.float32, device)
         return sample_rows(scaled, unit, draws.seeds, draws.positions)
 
     @staticmethod
@@ -172,7 +176,7 @@ class Sampler:
         vocab = logits.shape[1]
         ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
         values = logits.topk(max(ks), dim=-1).values  # the largest k from the host list: no .item() sync
-        ks = _on_device(ks, torch.long, logits.device)
+        ks = on_device(ks, torch.long, logits.device)
         threshold = values.gather(1, (ks - 1).unsqueeze(1))
         return logits.masked_fill(logits < threshold, float("-inf"))
 
@@ -185,12 +189,14 @@ class Sampler:
         drop[:, 0] = False
         return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
 
-    @staticmethod
-    def _with_logprobs(logits: Tensor, sampled: Tensor, k: int) -> DeviceSample:
-        logprobs = logits.log_softmax(dim=-1)
-        chosen = logprobs.gather(1, sampled.unsqueeze(1))
-        ranks = (logprobs > chosen).sum(dim=-1) + 1
-        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], sampled.unsqueeze(1)[:, :0])
-        ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
-        values = torch.cat([chosen, top_values], dim=1)
-        return DeviceSample(sampled, ids, values, ranks)
+
+def with_logprobs(logits: Tensor, tokens: Tensor, k: int) -> DeviceSample:
+    """Each row's `tokens` with its logprob under `logits` and rank, followed by the row's top `k`: what logprobs
+    (the sampled tokens) and prompt_logprobs (the prompt's next tokens) return."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], tokens.unsqueeze(1)[:, :0])
+    ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
+    values = torch.cat([chosen, top_values], dim=1)
+    return DeviceSample(tokens, ids, values, ranks)

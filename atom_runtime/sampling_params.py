@@ -33,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top logprobs per generated token, besides the sampled one
+    prompt_logprobs: int | None = None  # the same per prompt token after the first (computed, never cached)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (no text), sparing per-token decoding
@@ -89,5 +90,10 @@ class SamplingParams:
             f"repetition_penalty must be positive and finite, got {self.repetition_penalty}",
         )
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+        check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
+        )
         check(all(self.stop), "stop", "stop cannot contain an empty string")
         check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")

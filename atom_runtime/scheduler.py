@@ -6,7 +6,9 @@ token, an unfinished prompt takes the next chunk that fits the budget (chunked
 prefill), so prefill chunks and decodes share a step. Waiting sequences are admitted
 FCFS while budget and KV blocks last. When blocks run out, the newest running sequence
 is preempted: its blocks are freed and it is recomputed later (prefix caching usually
-makes that cheap).
+makes that cheap). A prompt that asks for prompt_logprobs is computed whole (no prefix cache
+hits), and at most PROMPT_LOGPROB_ROWS of its positions a step: their logits rows take
+memory in proportion (fp32, a vocabulary wide).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.sequence import Sequence, SequenceStatus
 
+PROMPT_LOGPROB_ROWS = 1024  # prompt positions scored in one step, over all its sequences
+
 
 class ScheduledChunk:
     """`num_tokens` tokens of `seq` computed in this step, from position `start`.
@@ -24,7 +28,7 @@ class ScheduledChunk:
     A plain slotted class: one is made per scheduled sequence and step.
     """
 
-    __slots__ = ("seq", "start", "num_tokens", "samples")
+    __slots__ = ("seq", "start", "num_tokens", "samples", "scored")
 
     def __init__(self, seq: Sequence, start: int, num_tokens: int):
         self.seq = seq
@@ -32,6 +36,8 @@ class ScheduledChunk:
         self.num_tokens = num_tokens
         # Whether this chunk reaches the end of the sequence, so its last logits give a new token.
         self.samples = start + num_tokens == len(seq.token_ids)
+        # The prompt positions whose logits it returns for prompt_logprobs (each scores the token after it).
+        self.scored = seq.positions_to_score(start, num_tokens) if seq.scores_prompt else ()
 
     def __repr__(self) -> str:
         return f"ScheduledChunk({self.seq!r}, start={self.start}, num_tokens={self.num_tokens})"
@@ -64,6 +70,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        rows = PROMPT_LOGPROB_ROWS
         running, chunks, allocate = self.running, out.chunks, self.block_manager.allocate  # hot loop: locals
         # Preemption only removes from the end of `running`, which iteration over it tolerates.
         for seq in running:
@@ -75,6 +82,10 @@ class Scheduler:
             num_new = num_tokens - seq.num_computed_tokens
             if num_new > budget:
                 num_new = budget
+            if seq.scores_prompt:
+                if not rows:
+                    continue
+                num_new = min(num_new, rows)
             while not allocate(seq, num_new):
                 victim = running[-1]
                 self._preempt(victim)
@@ -82,14 +93,20 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
+                chunks.append(chunk)
                 budget -= num_new
+                rows -= len(chunk.scored)
                 continue
             break  # `seq` itself was preempted: nothing behind it can fit either
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
-            prefix = self.block_manager.cached_prefix(seq)
+            if seq.scores_prompt and not rows:
+                break
+            prefix = [] if seq.scores_prompt else self.block_manager.cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+            if seq.scores_prompt:
+                num_new = min(num_new, rows)
             needed = self.block_manager.blocks_needed(len(prefix) * self.block_manager.block_size + num_new)
             if self.running and self.block_manager.num_free_blocks - needed < self.watermark_blocks:
                 break
@@ -102,8 +119,10 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_new)
+            out.chunks.append(chunk)
             budget -= num_new
+            rows -= len(chunk.scored)
         return out
 
     def _preempt(self, seq: Sequence) -> None:

@@ -6,11 +6,15 @@ import enum
 import sys
 import time
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import torch
 
 from atom_models.ops.sampling import SEED_MASK
 from atom_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from atom_runtime.sampler import SampledTokens
 
 # A sampled token still on the device: the step that samples it is in flight.
 PLACEHOLDER = -1
@@ -59,6 +63,15 @@ class Sequence:
         self.max_num_tokens = limit
         self.min_num_tokens = self.num_prompt_tokens + params.min_tokens
         self.stops_on = frozenset(params.stop_token_ids).union(() if params.ignore_eos else eos_token_ids)
+        # prompt_logprobs: positions p < num_prompt_tokens - 1 whose logits score token p + 1. Those up to
+        # num_prompt_scored have been sent to be computed; their scores gather here until the first token goes out.
+        self.scores_prompt = params.prompt_logprobs is not None and self.num_prompt_tokens > 1
+        self.num_prompt_scored = 0
+        self.prompt_scores: SampledTokens | None = None
+
+    def positions_to_score(self, start: int, num_tokens: int) -> range:
+        """The prompt positions a chunk of `num_tokens` from `start` scores that no earlier step did."""
+        return range(max(start, self.num_prompt_scored), min(start + num_tokens, self.num_prompt_tokens - 1))
 
     @property
     def key(self) -> tuple[str, int]:

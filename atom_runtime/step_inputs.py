@@ -39,14 +39,15 @@ from torch import Tensor
 from atom_models.layers import AttentionMetadata
 from atom_models.ops.sampling import carry_tokens
 from atom_runtime.sampler import Draws
-from atom_runtime.scheduler import ScheduledChunk
+from atom_runtime.scheduler import PROMPT_LOGPROB_ROWS, ScheduledChunk
 from atom_runtime.sequence import PLACEHOLDER
 
 # Block-table rows between two changed ones that one copy takes along rather than starting another: about what
 # a small host-to-device copy costs in launch and latency (~1.5 us at ~25 GB/s).
 TABLE_GAP_BYTES = 32 << 10
 # A step's fields in the order they are packed, with the count that sizes each: "tokens", "seqs", "starts" (seqs
-# + 1) or "logits" (rows sampled). Per-token fields first: their offsets depend on the token count alone.
+# + 1) or "logits" (rows sampled, then the prompt positions scored for prompt_logprobs). Per-token fields first: their
+# offsets depend on the token count alone.
 FIELDS: tuple[tuple[str, torch.dtype, str], ...] = (
     ("input_ids", torch.int64, "tokens"),
     ("positions", torch.int64, "tokens"),
@@ -107,7 +108,7 @@ class StepInputs:
         if not own and sets > 1:
             raise ValueError("without device buffers of their own, the one host set is what the model reads")
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
-        self.capacity = step_layout(max_tokens, max_seqs, max_seqs)[1]
+        self.capacity = step_layout(max_tokens, max_seqs, max_seqs + PROMPT_LOGPROB_ROWS)[1]
         table_shape = (max_seqs, max_blocks_per_seq)
         self.host_bytes = [torch.zeros(self.capacity, dtype=torch.uint8, pin_memory=pin) for _ in range(sets)]
         self.host_arrays = [h.numpy() for h in self.host_bytes]  # views, made once
@@ -183,11 +184,12 @@ class StepInputs:
         num_seqs = len(chunks)
         tokens = sum(c.num_tokens for c in chunks)
         logits = sum(c.samples for c in chunks)
+        scored = sum(len(c.scored) for c in chunks)
         if pad_tokens_to is not None:
             tokens = max(tokens, pad_tokens_to)
         padded_seqs = max(num_seqs, pad_seqs_to or 0)
         pad = padded_seqs - num_seqs
-        shape = (tokens + pad, padded_seqs, logits + pad)
+        shape = (tokens + pad, padded_seqs, logits + scored + pad)
         fields, host_fields = self.fields(*shape)
         arrays, held, copied = host_fields[self.turn], self.host_tables[self.turn], self.copied[self.turn]
         tables = self.host_block_arrays[self.turn]
@@ -202,6 +204,8 @@ class StepInputs:
             t, logits, carried = self._write_each(chunks, arrays, tables)
         else:
             t, logits, carried = self._write_vectorized(chunks, arrays, tables)
+        if scored:
+            self._write_scored(chunks, arrays["logits_indices"][logits:])
         arrays["carry_to"][carried:] = -1
         arrays["carry_from"][carried:] = 0  # (every entry written: the next step compares them, `_upload`)
         ids, pos, slots, qsl = (
@@ -339,6 +343,17 @@ class StepInputs:
         arrays["sample_seeds"][:n] = [seq.sampling_seed for seq in drawing]
         arrays["sample_positions"][:n] = positions[sampled] + 1
         return t, n, carried
+
+    @staticmethod
+    def _write_scored(chunks: list[ScheduledChunk], rows: np.ndarray) -> None:
+        """The logits rows of the prompt positions scored for prompt_logprobs, after the sampled ones."""
+        t = at = 0
+        for chunk in chunks:
+            if chunk.scored:
+                n, first = len(chunk.scored), t + chunk.scored.start - chunk.start
+                rows[at : at + n] = np.arange(first, first + n)
+                at += n
+            t += chunk.num_tokens
 
     def graph_drew(self, size: int) -> None:
         """A decode graph of `size` sequences ran: move the mirror's fields on as its draw (`sample_rows`' `advance`)

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 import uvloop
 
 from atom_runtime import LLM, SamplingParams
@@ -264,3 +265,70 @@ def test_an_engine_left_running_is_stopped_by_the_collector_while_another_starts
     threading.Thread(target=collect_holding_the_lock, daemon=True).start()
     assert finished.wait(timeout=60), "the collected engine's shutdown deadlocked on the settings' lock"
     assert EngineProcessSettings.running == before
+
+
+def _hf_prompt_scores(checkpoint, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF transformers on the same weights: each position's log-softmax row, and the logprob of the token after it."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = hf(torch.tensor([prompt_ids])).logits[0, :-1].log_softmax(-1)
+    return rows, rows.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0]
+
+
+def test_prompt_logprobs_match_transformers(tiny_llama):
+    """Each prompt token's logprob given the ones before, its rank and the top k, as vLLM returns them: the same
+    under chunked prefill (5 tokens a step, positions scored across chunks), for a prompt an earlier request left in
+    the prefix cache (a scored prompt is computed whole), and for each of n samples."""
+    prompt = PROMPTS[3]
+    small = LLM(tiny_llama, device="cpu", block_size=4, max_num_batched_tokens=5, max_num_seqs=2)
+    try:
+        ids = small.tokenizer.encode(prompt)
+        small.generate(prompt, SamplingParams(temperature=0, max_tokens=2))  # now in the prefix cache
+        params = [SamplingParams(max_tokens=3, prompt_logprobs=2), SamplingParams(max_tokens=3, n=2, prompt_logprobs=0)]
+        first, second = small.generate([prompt, prompt], params)
+        cached = small.generate(prompt, SamplingParams(max_tokens=1))[0]
+    finally:
+        small.shutdown()
+    rows, expected = _hf_prompt_scores(tiny_llama, ids)
+    assert first.metrics.num_cached_tokens == 0 and cached.metrics.num_cached_tokens > 0
+    assert len(first.prompt_logprobs) == len(ids) and first.prompt_logprobs[0] is None
+    for row, token, want, entry in zip(rows, ids[1:], expected.tolist(), first.prompt_logprobs[1:], strict=True):
+        assert next(iter(entry)) == token  # the prompt's token first, then the top 2
+        assert entry[token].logprob == pytest.approx(want, abs=1e-4)
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        assert entry[token].decoded_token == small.tokenizer.decode([token])
+        for rank, top in enumerate(row.topk(2).indices.tolist(), 1):
+            assert entry[top].logprob == pytest.approx(row[top].item(), abs=1e-4)
+            assert entry[top].rank == rank or top == token
+    assert len(first.outputs[0].token_ids) == 3  # and generation goes on as usual
+    assert all(len(entry) == 1 for entry in second.prompt_logprobs[1:])  # k = 0: the prompt's token alone
+    got = [entry[token].logprob for entry, token in zip(second.prompt_logprobs[1:], ids[1:], strict=True)]
+    assert got == pytest.approx(expected.tolist(), abs=1e-4)
+    assert len(second.outputs) == 2
+
+
+def test_prompt_logprobs_over_the_limit_and_negative_are_refused(llm):
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs=21 exceeds"):
+        llm.generate("hi", SamplingParams(prompt_logprobs=21))
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama):
+    """A cache too small for every sequence at once preempts some after their prompts were scored: they are
+    recomputed, not scored again, and each request still gets one entry a prompt token."""
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[1] + " again", PROMPTS[3] + " and on"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    tight = LLM(tiny_llama, device="cpu", block_size=4, num_kvcache_blocks=48, max_num_batched_tokens=16)
+    try:
+        outs = tight.generate(prompts, params)
+        assert tight.engine.core.scheduler.num_preemptions > 0
+        ids = [tight.tokenizer.encode(p) for p in prompts]
+    finally:
+        tight.shutdown()
+    for out, prompt_ids in zip(outs, ids, strict=True):
+        expected = _hf_prompt_scores(tiny_llama, prompt_ids)[1]
+        got = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
+        assert len(out.prompt_logprobs) == len(prompt_ids) and got == pytest.approx(expected.tolist(), abs=1e-4)

@@ -401,6 +401,38 @@ def test_echo(client):
     assert "".join(c.choices[0].text for c in streamed).startswith("Echo me")
 
 
+def test_echo_with_logprobs(client, http):
+    """As OpenAI's legacy completions did: the echoed prompt's tokens lead the logprobs, the first with none; the
+    others are the prompt_logprobs vLLM returns (`prompt_logprobs` field), and streaming sends the same."""
+    kwargs = dict(model=MODEL, prompt="Echo me", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    out = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    logprobs, text = out.choices[0].logprobs, out.choices[0].text
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": "Echo me"}).json()["tokens"]
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(prompt_ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens) == text and text.startswith("Echo me")
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert all(
+        lp <= 0 and 1 <= len(top) <= 3
+        for lp, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True)
+    )
+    body = {"model": MODEL, "prompt": "Echo me", "max_tokens": 1, "prompt_logprobs": 1}
+    scores = http.post(COMPLETIONS, json=body).json()["choices"][0]["prompt_logprobs"]
+    assert len(scores) == len(prompt_ids) and scores[0] is None
+    for token, entry, echoed in zip(
+        prompt_ids[1:], scores[1:], logprobs.token_logprobs[1 : len(prompt_ids)], strict=True
+    ):
+        assert list(entry)[0] == str(token) and len(entry) <= 2  # the prompt's token, then the top 1
+        assert entry[str(token)]["logprob"] == pytest.approx(echoed, abs=1e-5)
+        assert entry[str(token)]["rank"] >= 1
+    streamed = client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})
+    tokens = [t for chunk in streamed for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+    chat = {"model": MODEL, "messages": OK_CHAT, "max_tokens": 1, "prompt_logprobs": 0}
+    chat_scores = http.post(CHAT, json=chat).json()["prompt_logprobs"]
+    assert chat_scores[0] is None and all(len(entry) == 1 for entry in chat_scores[1:])
+
+
 def test_64_concurrent_streams_equal_serial(client, server):
     prompts = [f"Request number {i}: " for i in range(64)]
     serial = [greedy_ids(client, p, max_tokens=10) for p in prompts]
@@ -526,7 +558,14 @@ BAD_REQUESTS = {
     ),
     "token id beyond vocab": (COMPLETIONS, {"prompt": [1, 2, 320]}, 400, "prompt"),
     "negative token id": (COMPLETIONS, {"prompt": [-1]}, 400, "prompt"),
-    "echo with logprobs": (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    "prompt_logprobs with stream": (
+        COMPLETIONS,
+        {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs",
+    ),
+    "prompt_logprobs beyond the limit": (CHAT, {"messages": OK_CHAT, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    "negative prompt_logprobs": (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     "stream_options without stream": (
         COMPLETIONS,
         {"prompt": "hi", "stream_options": {"include_usage": True}},

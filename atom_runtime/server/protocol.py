@@ -71,6 +71,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # add the prompt's and each choice's token ids to the response
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (not with stream=true)
     # OpenAI's, with no effect on a self-hosted server's output: accepted as they are.
     user: str | None = None
     metadata: Any = None
@@ -88,7 +89,6 @@ class _SamplingFields(_Request):
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
 
@@ -100,7 +100,6 @@ class _SamplingFields(_Request):
         "allowed_token_ids": "restricting the vocabulary",
         "bad_words": "banning words",
         "use_beam_search": "beam search",
-        "prompt_logprobs": "prompt logprobs",
         "truncate_prompt_tokens": "truncating the prompt",
         "logits_processors": "logits processors",
     }
@@ -112,10 +111,20 @@ class _SamplingFields(_Request):
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             _refuse("response_format", f"structured output ({self.response_format.get('type')!r})")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """`prompt_logprobs`: what the endpoint needs of them besides the request's own field."""
         self._refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")
+        if (own := self.prompt_logprobs) is not None:
+            if own < 0:
+                raise InvalidRequestError(f"prompt_logprobs must be >= 0, got {own}", "prompt_logprobs")
+            if self.stream and own > 0:  # as vLLM: 0 streams, and returns nothing
+                raise InvalidRequestError("prompt_logprobs are not available with stream=true", "prompt_logprobs")
+            if not self.stream:
+                prompt_logprobs = max(prompt_logprobs or 0, own)
         defaults = SamplingParams
         return SamplingParams(
             n=self.n,
@@ -135,6 +144,7 @@ class _SamplingFields(_Request):
             if self.repetition_penalty is None
             else self.repetition_penalty,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -161,9 +171,9 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             _refuse("best_of", f"best_of other than n ({self.best_of} against n={self.n})")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo with logprobs needs prompt logprobs, which are not supported", "echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo with logprobs: the echoed prompt's tokens come with theirs (the first with none), as OpenAI's did
+        echoed = self.logprobs if self.echo else None
+        return self._sampling_params(self.max_tokens, self.logprobs, echoed)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a request, each a string or a list of token ids."""
@@ -290,9 +300,21 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions format: parallel lists, one entry per generated token."""
 
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: a token's logprob, its rank, its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per prompt token (None for the first): {token id: its entry}, the prompt's token first, then the top k.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -303,6 +325,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(**_OMIT_NONE)
     prompt_token_ids: list[int] | None = Field(**_OMIT_NONE)
+    prompt_logprobs: PromptLogprobs | None = Field(**_OMIT_NONE)
 
 
 class CompletionResponse(BaseModel):
@@ -350,6 +373,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = Field(**_OMIT_NONE)
+    prompt_logprobs: PromptLogprobs | None = Field(**_OMIT_NONE)
 
 
 class Delta(BaseModel):

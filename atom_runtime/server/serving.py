@@ -41,6 +41,8 @@ from atom_runtime.server.protocol import (
     Delta,
     DetokenizeRequest,
     DetokenizeResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
@@ -103,6 +105,7 @@ class _Sent:
     text_offset: int = 0  # legacy logprobs: where the next token's text starts
     finished: bool = False
     echo: str = ""  # the prompt, to send before the first text (completions' `echo`)
+    echo_tokens: list[int] | None = None  # with `echo` and `logprobs`: the prompt's tokens, before the first logprobs
 
 
 class OpenAIServing:
@@ -124,9 +127,10 @@ class OpenAIServing:
         choices = []
         for p, final in enumerate(finals):
             for completion in final.outputs:
-                sent = _Sent(echo=self._prompt_text(prompts[p]) if request.echo else "")
-                choice = self._completion_choice(request, p * params.n + completion.index, sent, completion)
+                sent = self._completion_sent(request, prompts[p])
+                choice = self._completion_choice(request, p * params.n + completion.index, sent, completion, final)
                 choice.prompt_token_ids = prompts[p].token_ids if request.return_token_ids else None
+                choice.prompt_logprobs = _prompt_logprobs(final, request.prompt_logprobs)
                 choices.append(choice)
         body = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=_usage(finals))
         return _json(body)
@@ -146,16 +150,24 @@ class OpenAIServing:
             for completion in output.outputs:
                 index = p * params.n + completion.index
                 if index not in sent:
-                    sent[index] = _Sent(echo=self._prompt_text(prompts[p]) if request.echo else "")
-                choice = self._completion_choice(request, index, sent[index], completion)
+                    sent[index] = self._completion_sent(request, prompts[p])
+                choice = self._completion_choice(request, index, sent[index], completion, output)
                 if choice is not None:
                     usage = _usage([f for f in finals if f is not None]) if request.continuous_usage else None
                     yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice], usage=usage)
         if request.include_usage:
             yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(finals))
 
+    def _completion_sent(self, request: CompletionRequest, prompt: _Prompt) -> _Sent:
+        """A choice's `_Sent` before its first news: with `echo`, the prompt to send first (and its tokens)."""
+        if not request.echo:
+            return _Sent()
+        return _Sent(
+            echo=self._prompt_text(prompt), echo_tokens=prompt.token_ids if request.logprobs is not None else None
+        )
+
     def _completion_choice(
-        self, request: CompletionRequest, index: int, sent: _Sent, completion: CompletionOutput
+        self, request: CompletionRequest, index: int, sent: _Sent, completion: CompletionOutput, output: RequestOutput
     ) -> CompletionChoice | None:
         """The choice's news since `sent` (everything, for a fresh `_Sent`), or None if there is none."""
         delta = _advance(sent, index, completion, with_tokens=request.logprobs is not None or request.return_token_ids)
@@ -164,14 +176,21 @@ class OpenAIServing:
         logprobs = None
         if delta.logprobs is not None:
             logprobs = CompletionLogprobs()
-            for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=True):
-                chosen = entry[token_id]
-                token = chosen.decoded_token or ""
+            entries = list(zip(delta.token_ids, delta.logprobs, strict=True))
+            if sent.echo_tokens is not None:  # the echoed prompt's tokens first, the first with no logprob
+                entries[:0] = zip(sent.echo_tokens, output.prompt_logprobs, strict=True)
+                sent.echo_tokens = None
+            for token_id, entry in entries:
+                if entry is None:
+                    token, logprob, top = self.engine.tokenizer.decode([token_id]), None, None
+                else:
+                    token, logprob = entry[token_id].decoded_token or "", max(entry[token_id].logprob, _MIN_LOGPROB)
+                    top = {}
+                    for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens that decode alike: the likeliest
+                        if lp.rank <= request.logprobs or lp is entry[token_id]:
+                            top.setdefault(lp.decoded_token or "", max(lp.logprob, _MIN_LOGPROB))
                 logprobs.tokens.append(token)
-                logprobs.token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
-                top: dict[str, float] = {}
-                for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # tokens that decode alike: the likeliest
-                    top.setdefault(lp.decoded_token or "", max(lp.logprob, _MIN_LOGPROB))
+                logprobs.token_logprobs.append(logprob)
                 logprobs.top_logprobs.append(top)
                 logprobs.text_offset.append(sent.text_offset)
                 sent.text_offset += len(token)
@@ -223,6 +242,7 @@ class OpenAIServing:
             choices=choices,
             usage=_usage([final]),
             prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
+            prompt_logprobs=_prompt_logprobs(final, request.prompt_logprobs),
         )
         return _json(body)
 
@@ -380,6 +400,23 @@ def _advance(sent: _Sent, index: int, completion: CompletionOutput, with_tokens:
     sent.chars, sent.tokens, sent.finished = len(completion.text), len(completion.token_ids), finish_reason is not None
     text, sent.echo = sent.echo + text, ""
     return _Delta(index, text, token_ids, logprobs, finish_reason, completion.stop_reason)
+
+
+def _prompt_logprobs(output: RequestOutput, k: int | None) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` field: each prompt token's entry, the prompt's token and the top `k` (the request's
+    own k: echo may have asked the engine for more)."""
+    if k is None or output.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            token: PromptLogprob(logprob=max(lp.logprob, _MIN_LOGPROB), rank=lp.rank, decoded_token=lp.decoded_token)
+            for i, (token, lp) in enumerate(entry.items())
+            if i == 0 or lp.rank <= k
+        }
+        for entry in output.prompt_logprobs
+    ]
 
 
 def _top_logprob(logprob: Logprob) -> TopLogprob:
