@@ -26,7 +26,7 @@ from atom_runtime.engine_core import EngineCore, EngineStats, StepOutput
 from atom_runtime.metrics import Metrics
 from atom_runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atom_runtime.sampler import SampledTokens
-from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, with_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,17 @@ class _RequestState:
 
 
 class AsyncEngine:
-    def __init__(self, core: CoreThread | CoreProcess, tokenizer: PreTrainedTokenizerBase, model_name: str):
+    def __init__(
+        self,
+        core: CoreThread | CoreProcess,
+        tokenizer: PreTrainedTokenizerBase,
+        model_name: str,
+        sampling_defaults: dict | None = None,
+    ):
+        """`sampling_defaults`: SamplingParams fields for requests that leave them out (`loading.sampling_defaults`;
+        max_tokens caps every request's)."""
         self._core = core
+        self.sampling_defaults = sampling_defaults or {}
         self.core: EngineCore | None = core.core  # only where it steps in this process
         self.limits = core.limits
         self.tokenizer = tokenizer
@@ -266,6 +275,10 @@ class AsyncEngine:
                 if left:
                     self._record_aborted(state)
             self._states.pop(request_id, None)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (vLLM's `get_default_sampling_params`)."""
+        return with_defaults(self.sampling_defaults)
 
     def abort(self, request_id: str) -> None:
         self._core.send(("abort", request_id, None))

@@ -23,7 +23,7 @@ from pathlib import Path
 import uvloop
 
 from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
-from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.sampling_params import SamplingParams, with_defaults
 
 # The engine, the server and the demo model's export import torch (~3 s): `main` imports them after the flags parse,
 # so --help and bad flags answer at once.
@@ -102,17 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-token-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    # Sampling flags left out take the model's generation config (--generation-config), then SamplingParams' defaults.
     generate.add_argument(
-        "--max-tokens",
-        type=int,
-        default=SamplingParams.max_tokens,
-        help="most tokens to generate (default: %(default)s)",
+        "--max-tokens", type=int, default=SamplingParams.max_tokens, help="most tokens to generate (%(default)s)"
     )
-    generate.add_argument(
-        "--temperature", type=float, default=SamplingParams.temperature, help="0: greedy (default: %(default)s)"
-    )
-    generate.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus (default: %(default)s)")
-    generate.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="-1: off (default: %(default)s)")
+    generate.add_argument("--temperature", type=float, help=f"0: greedy (default: {SamplingParams.temperature})")
+    generate.add_argument("--top-p", type=float, help=f"nucleus (default: {SamplingParams.top_p})")
+    generate.add_argument("--top-k", type=int, help=f"-1: off (default: {SamplingParams.top_k})")
     generate.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)"
     )
@@ -159,7 +155,7 @@ async def _generate(args: argparse.Namespace) -> None:
     from atom_runtime.loading import create_engine
     from atom_runtime.server.profiler import EngineProfiler
 
-    params = SamplingParams(
+    flags = dict(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -168,7 +164,9 @@ async def _generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    with_defaults({}, **flags)  # a bad flag fails before the model loads
     engine = create_engine(args.model, **create_engine_kwargs(args))
+    params = with_defaults(engine.sampling_defaults, **flags)
     profiler = None
     try:
         if args.torch_profiler_dir is not None:

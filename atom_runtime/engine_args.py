@@ -38,6 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        help="requests' sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
+        "caps max_tokens): auto (the model's generation_config.json), vllm (none), or a directory with that file",
+    )
     group.add_argument("--quantization", choices=["fp8"], default=None, help="quantize an HF model's weights online")
     group.add_argument("--quantization-exclude", **QUANTIZATION_EXCLUDE_FLAG)
     group.add_argument(
@@ -127,5 +133,6 @@ def create_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quantization=args.quantization,
         quantization_exclude=tuple(args.quantization_exclude),
         rebuild=args.rebuild,
+        generation_config=args.generation_config,
         config=config,
     )

@@ -35,8 +35,11 @@ class LLM:
         load_dummy: bool = False,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,  # vLLM's; atom runs its own model code, never a checkpoint's
+        generation_config: str = "auto",
         **engine_args,
     ):
+        """`generation_config`: where sampling defaults come from (`get_default_sampling_params`): "auto" (the
+        model's generation_config.json), "vllm" (SamplingParams' own) or a directory holding such a file."""
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: atom runs a model on one device")
         if isinstance(quantization_exclude, str):
@@ -48,6 +51,7 @@ class LLM:
             quantization=quantization,
             quantization_exclude=quantization_exclude,
             load_dummy=load_dummy,
+            generation_config=generation_config,
             config=EngineConfig(**engine_args),
         )
         self.tokenizer = self.engine.tokenizer
@@ -55,6 +59,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's recommended sampling (its generation config), what `generate` and `chat` use without any."""
+        return self.engine.default_sampling_params()
 
     def generate(
         self,
@@ -108,7 +116,7 @@ class LLM:
         if self._loop.is_closed():
             raise RuntimeError("this LLM has been shut down")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(requests)
+            params = [sampling_params or self.get_default_sampling_params()] * len(requests)
         else:
             params = list(sampling_params)
             if len(params) != len(requests):

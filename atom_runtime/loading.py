@@ -20,8 +20,20 @@ from atom_runtime.core_client import CoreProcess, CoreThread
 from atom_runtime.engine_core import EngineCore
 from atom_runtime.model_runner import LoadedModel, ModelRunner
 from atom_runtime.sampler import Sampler
+from atom_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# What vLLM takes from a model's generation_config.json as its sampling defaults (`--generation-config auto`), under
+# SamplingParams' names: the model maker's recommended settings, for requests that leave them out.
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",  # a cap on every request's, as vLLM's
+}
 
 
 def load_hf_model(
@@ -72,6 +84,22 @@ def eos_token_ids(model_dir: str | Path, config: PretrainedConfig, tokenizer) ->
     if (Path(model_dir) / "generation_config.json").is_file():
         add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
     return ids
+
+
+def sampling_defaults(model_dir: str | Path, generation_config: str = "auto") -> dict:
+    """The sampling settings a generation_config.json sets (GENERATION_DEFAULTS): the model's own with "auto", none
+    with "vllm", or those of the file in the directory `generation_config` names."""
+    if generation_config == "vllm":
+        return {}
+    source = Path(model_dir if generation_config == "auto" else generation_config)
+    if not (source / "generation_config.json").is_file():
+        if generation_config == "auto":
+            return {}
+        raise ValueError(f"--generation-config {generation_config}: no generation_config.json in that directory")
+    values = GenerationConfig.from_pretrained(source).to_diff_dict()
+    defaults = {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
+    SamplingParams(**defaults)  # refuse values no request could set
+    return defaults
 
 
 def load_compiled_model(path: str | Path, rebuild: bool) -> tuple[LoadedModel, dict]:
@@ -135,6 +163,7 @@ def create_engine(
     *,
     served_model_name: str | None = None,
     engine_process: bool = False,
+    generation_config: str = "auto",
     **core_args,
 ) -> AsyncEngine:
     """An engine over an artifact directory (compiled by atom-compile) or an HF model directory (eager).
@@ -142,11 +171,20 @@ def create_engine(
     For an artifact, dtype, device and quantization come from its manifest; passing others is an error.
     `core_args` are `create_core`'s. With `engine_process`, the core loads and steps in a process of its
     own (what `atom-run serve` does, so HTTP work never holds the GIL that the step loop needs).
+    `generation_config`: where requests' sampling defaults come from (`sampling_defaults`).
     """
+    defaults = sampling_defaults(model, generation_config)
+    if defaults:
+        logger.warning(
+            "sampling defaults from %s's generation_config.json for requests that leave them out: %s "
+            "(--generation-config vllm for none)",
+            model if generation_config == "auto" else generation_config,
+            defaults,
+        )
     if engine_process:
         core = CoreProcess(dict(model=model, **core_args))
         tokenizer = AutoTokenizer.from_pretrained(core.model_dir)
     else:
         engine_core, tokenizer = create_core(model, **core_args)
         core = CoreThread(engine_core)
-    return AsyncEngine(core, tokenizer, served_model_name or Path(model).name)
+    return AsyncEngine(core, tokenizer, served_model_name or Path(model).name, defaults)

@@ -97,3 +97,14 @@ class SamplingParams:
         )
         check(all(self.stop), "stop", "stop cannot contain an empty string")
         check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
+
+
+def with_defaults(defaults: dict, **fields) -> SamplingParams:
+    """SamplingParams of `fields`, where one left None takes `defaults` (a model's generation config:
+    `loading.sampling_defaults`), else SamplingParams' own. A default max_tokens caps max_tokens, whose None means up
+    to the end of the context; a max_tokens not passed at all is SamplingParams' default."""
+    if (cap := defaults.get("max_tokens")) is not None:
+        fields["max_tokens"] = cap if fields.get("max_tokens") is None else min(fields["max_tokens"], cap)
+    merged = {name: value for name, value in defaults.items() if fields.get(name) is None}
+    merged |= {name: value for name, value in fields.items() if value is not None or name == "max_tokens"}
+    return SamplingParams(**merged)

@@ -209,6 +209,7 @@ def test_engine_flags_cover_engine_config(tiny_llama):
         + ["--max-logprobs", "5", "--enforce-eager", "--seed", "9", "--dtype", "float32", "--device", "cpu"]
         + ["--load-dummy", "--quantization", "fp8", "--rebuild", "--cudagraph-mode", "none"]
         + ["--cudagraph-capture-sizes", "[1,2,4]", "--quantization-exclude", "a.*", "--quantization-exclude", "re:b"]
+        + ["--generation-config", "vllm"]
     )
     kwargs = create_engine_kwargs(args)
     assert kwargs["config"] == EngineConfig(
@@ -234,6 +235,7 @@ def test_engine_flags_cover_engine_config(tiny_llama):
         quantization="fp8",
         quantization_exclude=("a.*", "re:b"),
         rebuild=True,
+        generation_config="vllm",
     )
     defaults = create_engine_kwargs(build_parser().parse_args(["serve", str(tiny_llama)]))["config"]
     assert defaults == EngineConfig()

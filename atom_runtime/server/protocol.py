@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, with_defaults
 
 # Omit an optional field from the JSON when it is unset (extensions, usage of most stream chunks).
 _OMIT_NONE = dict(default=None, exclude_if=lambda value: value is None)
@@ -112,9 +112,10 @@ class _SamplingFields(_Request):
             _refuse("response_format", f"structured output ({self.response_format.get('type')!r})")
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self, defaults: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        """`prompt_logprobs`: what the endpoint needs of them besides the request's own field."""
+        """`defaults`: the model's, for fields the request leaves out (`with_defaults`); `prompt_logprobs`: what the
+        endpoint needs of them besides the request's own field."""
         self._refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")
@@ -125,13 +126,13 @@ class _SamplingFields(_Request):
                 raise InvalidRequestError("prompt_logprobs are not available with stream=true", "prompt_logprobs")
             if not self.stream:
                 prompt_logprobs = max(prompt_logprobs or 0, own)
-        defaults = SamplingParams
-        return SamplingParams(
+        return with_defaults(
+            defaults,
             n=self.n,
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            top_k=defaults.top_k if self.top_k is None else self.top_k,
-            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -140,9 +141,7 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=defaults.repetition_penalty
-            if self.repetition_penalty is None
-            else self.repetition_penalty,
+            repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -168,12 +167,13 @@ class CompletionRequest(_SamplingFields):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {**_SamplingFields.UNSUPPORTED, "suffix": "a suffix (insertion)"}
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
+        """`defaults`: the model's sampling defaults (`AsyncEngine.sampling_defaults`)."""
         if self.best_of is not None and self.best_of != self.n:
             _refuse("best_of", f"best_of other than n ({self.best_of} against n={self.n})")
         # echo with logprobs: the echoed prompt's tokens come with theirs (the first with none), as OpenAI's did
         echoed = self.logprobs if self.echo else None
-        return self._sampling_params(self.max_tokens, self.logprobs, echoed)
+        return self._sampling_params(defaults, self.max_tokens, self.logprobs, echoed)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a request, each a string or a list of token ids."""
@@ -236,7 +236,8 @@ class ChatCompletionRequest(_SamplingFields):
         "reasoning_effort": "reasoning effort",
     }
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
+        """`defaults`: the model's sampling defaults (`AsyncEngine.sampling_defaults`)."""
         for choice in ("tool_choice", "function_call"):
             if getattr(self, choice) not in (None, "none", "auto"):
                 _refuse(choice, "function calling")
@@ -247,7 +248,7 @@ class ChatCompletionRequest(_SamplingFields):
                 f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}", "max_completion_tokens"
             )
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class TokenizeRequest(_Request):

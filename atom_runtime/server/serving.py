@@ -117,7 +117,7 @@ class OpenAIServing:
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
-        params = request.sampling_params()
+        params = request.sampling_params(self.engine.sampling_defaults)
         prompts = [await self._prompt(p) for p in request.prompts()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = self._generate(prompts, params, request_id, request.stream)
@@ -209,7 +209,7 @@ class OpenAIServing:
         self.check_model(request.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            params = request.sampling_params()
+            params = request.sampling_params(self.engine.sampling_defaults)
             prompt = await self._render_chat(
                 request.messages,
                 request.chat_template_kwargs,
