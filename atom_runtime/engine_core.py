@@ -101,6 +101,8 @@ class EngineLimits:
             )
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
+        self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
+        self.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

@@ -109,6 +109,8 @@ class Sampler:
         raw_logits = logits
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
+        if any(p.shapes_logits for p in params):
+            logits = self._shape(logits.clone() if logits is raw_logits else logits, params)
         if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
             logits = self._block_stop_tokens(logits.clone() if logits is raw_logits else logits, seqs)
         filtered = any(p.filters for p in params)
@@ -145,6 +147,20 @@ class Sampler:
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
         return logits - freq * counts - pres * (counts > 0).float()
+
+    @staticmethod
+    def _shape(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+        """logit_bias and allowed_token_ids, in place: the bias added, tokens not allowed at -inf."""
+        for row, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                allowed = on_device(p.allowed_token_ids, torch.long, logits.device)
+                kept = logits[row, allowed]
+                logits[row] = float("-inf")
+                logits[row, allowed] = kept
+            if p.logit_bias:
+                tokens = on_device(list(p.logit_bias), torch.long, logits.device)
+                logits[row, tokens] += on_device(list(p.logit_bias.values()), torch.float32, logits.device)
+        return logits
 
     def _block_stop_tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         for row, seq in enumerate(seqs):

@@ -34,6 +34,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top logprobs per generated token, besides the sampled one
     prompt_logprobs: int | None = None  # the same per prompt token after the first (computed, never cached)
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits before sampling
+    allowed_token_ids: list[int] | None = None  # sample only among these
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (no text), sparing per-token decoding
@@ -55,6 +57,7 @@ class SamplingParams:
         self.sample_temperature = 0.0 if self.greedy else self.temperature  # what `sample_rows` takes
         self.filters = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
         self.needs_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        self.shapes_logits = bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -95,6 +98,12 @@ class SamplingParams:
             "prompt_logprobs",
             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
         )
+        check(
+            all(abs(bias) < _FLOAT32_MAX for bias in (self.logit_bias or {}).values()),
+            "logit_bias",
+            "logit_bias values must be finite",
+        )
+        check(self.allowed_token_ids != [], "allowed_token_ids", "allowed_token_ids cannot be empty")
         check(all(self.stop), "stop", "stop cannot contain an empty string")
         check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
 

@@ -332,3 +332,20 @@ def test_prompt_logprobs_survive_preemption(tiny_llama):
         expected = _hf_prompt_scores(tiny_llama, prompt_ids)[1]
         got = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
         assert len(out.prompt_logprobs) == len(prompt_ids) and got == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_logit_bias_and_allowed_token_ids(llm):
+    """A +100 bias makes greedy pick that token every step, -100 on the greedy token makes it pick another; sampling
+    among allowed_token_ids never leaves them; logprobs stay the model's own (vLLM's raw logprobs)."""
+    plain = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))[0]
+    first = plain.outputs[0].token_ids[0]
+    forced = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={7: 100}))
+    assert forced[0].outputs[0].token_ids == [7] * 4
+    banned = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logit_bias={first: -100}, logprobs=0)
+    other = llm.generate(PROMPTS[1], banned)[0].outputs[0]
+    assert other.token_ids[0] != first
+    assert other.logprobs[0][other.token_ids[0]].logprob < plain.outputs[0].logprobs[0][first].logprob
+    allowed = SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=8, ignore_eos=True, allowed_token_ids=[3, 9, 11])
+    assert all(set(c.token_ids) <= {3, 9, 11} for c in llm.generate(PROMPTS[0], allowed)[0].outputs)
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be empty"):
+        SamplingParams(allowed_token_ids=[])

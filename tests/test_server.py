@@ -433,6 +433,19 @@ def test_echo_with_logprobs(client, http):
     assert chat_scores[0] is None and all(len(entry) == 1 for entry in chat_scores[1:])
 
 
+def test_logit_bias_and_allowed_token_ids(http):
+    """OpenAI's logit_bias (+100: that token every time) and vLLM's allowed_token_ids (only those, even sampling)."""
+    (x,) = http.post("/tokenize", json={"model": MODEL, "prompt": "x", "add_special_tokens": False}).json()["tokens"]
+    body = {"model": MODEL, "prompt": "Bias", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body |= {"return_token_ids": True}
+    biased = http.post(COMPLETIONS, json=body | {"logit_bias": {str(x): 100}}).json()["choices"][0]
+    assert biased["token_ids"] == [x] * 6 and biased["text"] == "x" * 6
+    allowed = [x, x + 1]
+    body |= {"temperature": 1.0, "seed": 1, "n": 3, "allowed_token_ids": allowed}
+    for choice in http.post(COMPLETIONS, json=body).json()["choices"]:
+        assert set(choice["token_ids"]) <= set(allowed)
+
+
 def test_64_concurrent_streams_equal_serial(client, server):
     prompts = [f"Request number {i}: " for i in range(64)]
     serial = [greedy_ids(client, p, max_tokens=10) for p in prompts]
@@ -623,7 +636,15 @@ BAD_REQUESTS = {
     ),
     "guided_json": (COMPLETIONS, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
     "guided_choice": (CHAT, {"messages": OK_CHAT, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
-    "logit_bias": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    "logit_bias key not a token id": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 100}}, 400, "logit_bias"),
+    "logit_bias beyond vocab": (CHAT, {"messages": OK_CHAT, "logit_bias": {"320": 1}}, 400, "logit_bias"),
+    "empty allowed_token_ids": (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    "allowed_token_ids beyond vocab": (
+        COMPLETIONS,
+        {"prompt": "hi", "allowed_token_ids": [1, 999]},
+        400,
+        "allowed_token_ids",
+    ),
     "suffix": (COMPLETIONS, {"prompt": "hi", "suffix": "xyz"}, 400, "suffix"),
     "best_of above n": (COMPLETIONS, {"prompt": "hi", "n": 1, "best_of": 3}, 400, "best_of"),
 }

@@ -72,6 +72,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # add the prompt's and each choice's token ids to the response
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (not with stream=true)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: {token id: bias}, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None
     # OpenAI's, with no effect on a self-hosted server's output: accepted as they are.
     user: str | None = None
     metadata: Any = None
@@ -79,25 +81,21 @@ class _SamplingFields(_Request):
     service_tier: Any = None
     parallel_tool_calls: Any = None
     # Known, not implemented, and they would change the output: refused unless unset (UNSUPPORTED).
-    logit_bias: Any = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "logit_bias": "biasing token logits",
         **dict.fromkeys(
             ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"), "guided decoding"
         ),
-        "allowed_token_ids": "restricting the vocabulary",
         "bad_words": "banning words",
         "use_beam_search": "beam search",
         "truncate_prompt_tokens": "truncating the prompt",
@@ -144,9 +142,19 @@ class _SamplingFields(_Request):
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): min(100.0, max(-100.0, bias)) for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
 
     @property
     def include_usage(self) -> bool:
