@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", help="the model name clients use (default: the directory's name)")
     serve.add_argument(
+        "--chat-template", help="a Jinja chat template, or its file, instead of the model's (for /v1/chat/completions)"
+    )
+    serve.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     serve.add_argument(
@@ -130,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "serve":  # before the model loads (or the demo model exports), and before torch imports
             check_listen_address(args.host, args.port)
+            if args.chat_template is not None:
+                from atom_runtime.loading import read_chat_template
+
+                args.chat_template = read_chat_template(args.chat_template)
         from atom_runtime.default_model import DEMO_NAME, default_artifact
         from atom_runtime.server.api_server import run_server
 

@@ -11,7 +11,7 @@ import uvloop
 from tqdm.auto import tqdm
 
 from atom_runtime.config import EngineConfig
-from atom_runtime.loading import create_engine
+from atom_runtime.loading import create_engine, read_chat_template
 from atom_runtime.outputs import RequestOutput
 from atom_runtime.sampling_params import SamplingParams
 
@@ -88,21 +88,25 @@ class LLM:
         messages: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or several, each through the
-        model's chat template (with `chat_template_kwargs`, e.g. Qwen3's enable_thinking); one finished
-        RequestOutput per conversation, in order."""
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; use generate")
+        model's chat template, or `chat_template` (the template or its file), with `chat_template_kwargs` (e.g. Qwen3's
+        enable_thinking); one finished RequestOutput per conversation, in order."""
+        if chat_template is not None:
+            chat_template = read_chat_template(chat_template)
+        elif self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; pass chat_template, or use generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         requests = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in conversation],
+                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,

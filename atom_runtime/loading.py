@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+import jinja2
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -100,6 +101,20 @@ def sampling_defaults(model_dir: str | Path, generation_config: str = "auto") ->
     defaults = {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
     SamplingParams(**defaults)  # refuse values no request could set
     return defaults
+
+
+def read_chat_template(value: str) -> str:
+    """vLLM's `--chat-template`: a file's path, or the Jinja template itself; checked to compile."""
+    path = Path(value)
+    if path.is_file():
+        value = path.read_text()
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat template {str(path)!r}: no such file")
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat template: {error.message} (line {error.lineno})") from None
+    return value
 
 
 def load_compiled_model(path: str | Path, rebuild: bool) -> tuple[LoadedModel, dict]:

@@ -101,6 +101,8 @@ def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
         (["generate", "{model}", "--prompt", "x", "--max-model-len", "99999"], "exceeds the model's"),
         (["generate", "{model}", "--prompt", "x", "--max-model-len", "0"], "max_model_len must be positive"),
         (["serve", "{model}", "--max-logprobs", "-1"], "max_logprobs must be >= 0"),
+        (["serve", "{model}", "--chat-template", "nope.jinja"], "chat template 'nope.jinja': no such file"),
+        (["serve", "{model}", "--chat-template", "{{% for %}}"], "chat template: "),  # (format: {% for %})
         (["generate", "{model}", "--prompt", "x" * 20, "--max-model-len", "16"], "the prompt has 20 tokens"),
         (["generate", "{model}", "--prompt-token-ids", "5000"], "outside the vocabulary"),
         (["serve", "{model}", "--port", "http"], "invalid int value: 'http'"),
@@ -286,10 +288,12 @@ def assert_exits(pid: int, timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
-def test_serve(tiny_llama):
+def test_serve(tiny_llama, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     server, url = start_server(
         tiny_llama, "--api-key", "k", "--served-model-name", "tiny-served", "--max-num-seqs", "4",
-        "--uvicorn-log-level", "warning",
+        "--uvicorn-log-level", "warning", "--chat-template", str(template),
     )  # fmt: skip
     try:
         assert httpx.get(f"{url}/v1/models").status_code == 401
@@ -301,6 +305,9 @@ def test_serve(tiny_llama):
             json={"model": "tiny-served", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         )
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+        rendered = {"model": "tiny-served", "prompt": "<hi>", "add_special_tokens": False}
+        tokens = httpx.post(f"{url}/tokenize", headers=headers, json=rendered).json()["count"]
+        assert chat.json()["usage"]["prompt_tokens"] == tokens  # --chat-template's rendering, not the model's
         engine = engine_process(server)
     finally:
         os.kill(server.pid, signal.SIGINT)

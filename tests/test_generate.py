@@ -349,3 +349,16 @@ def test_logit_bias_and_allowed_token_ids(llm):
     assert all(set(c.token_ids) <= {3, 9, 11} for c in llm.generate(PROMPTS[0], allowed)[0].outputs)
     with pytest.raises(ValueError, match="allowed_token_ids cannot be empty"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_chat_with_a_template_of_its_own(llm, tmp_path):
+    """vLLM's `LLM.chat(chat_template=...)`: the template itself or its file, in place of the model's."""
+    template = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    messages = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for source in (template, str(tmp_path / "t.jinja")):
+        out = llm.chat(messages, params, chat_template=source)[0]
+        assert out.prompt_token_ids == llm.tokenizer("[user: hi]", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="no such file"):
+        llm.chat(messages, params, chat_template="missing.jinja")

@@ -176,6 +176,8 @@ def run_server(args: argparse.Namespace) -> None:
     engine = create_engine(
         args.model, served_model_name=args.served_model_name, engine_process=True, **create_engine_kwargs(args)
     )
+    if args.chat_template is not None:
+        engine.tokenizer.chat_template = args.chat_template
     app = build_app(
         engine,
         engine.model_name,

@@ -292,7 +292,9 @@ class OpenAIServing:
         (Qwen3's enable_thinking, ...)."""
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+            raise InvalidRequestError(
+                "this model has no chat template; use /v1/completions, or serve with --chat-template", "messages"
+            )
         if reserved := sorted(set(template_kwargs or {}) & _RENDER_ARGUMENTS):
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
         if add_generation_prompt and continue_final_message:
