@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from atom_runtime.config import EngineConfig
     from atom_runtime.llm import LLM
     from atom_runtime.outputs import CompletionOutput, RequestOutput
-    from atom_runtime.sampling_params import SamplingParams
+    from atom_runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 _MODULE_OF = {
     "LLM": "atom_runtime.llm",
@@ -22,8 +22,9 @@ _MODULE_OF = {
     "EngineConfig": "atom_runtime.config",
     "RequestOutput": "atom_runtime.outputs",
     "SamplingParams": "atom_runtime.sampling_params",
+    "StructuredOutputsParams": "atom_runtime.sampling_params",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 __getattr__, __dir__ = lazy_names(__name__, _MODULE_OF, __all__)

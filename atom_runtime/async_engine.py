@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from atom_runtime import structured_outputs
 from atom_runtime.core_client import CoreProcess, CoreThread, EngineProcessSettings
 from atom_runtime.detokenizer import IncrementalDetokenizer
 from atom_runtime.engine_core import EngineCore, EngineStats, StepOutput
@@ -105,6 +106,7 @@ class AsyncEngine:
         max_tokens caps every request's)."""
         self._core = core
         self.sampling_defaults = sampling_defaults or {}
+        self._grammars: structured_outputs.Grammars | None = None  # to check structured outputs' constraints
         self.core: EngineCore | None = core.core  # only where it steps in this process
         self.limits = core.limits
         self.tokenizer = tokenizer
@@ -204,6 +206,11 @@ class AsyncEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.limits.check(prompt_token_ids, params)
+        if params.structured_outputs is not None:  # here too, so that a bad one is a 400 before a response starts
+            if self._grammars is None:
+                stop = {self.tokenizer.eos_token_id} - {None}
+                self._grammars = structured_outputs.Grammars(self.tokenizer, self.limits.vocab_size, stop)
+            self._grammars.compile(params.structured_outputs)
 
     async def generate(
         self,

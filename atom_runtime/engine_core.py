@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from atom_runtime import structured_outputs
 from atom_runtime.block_manager import BlockManager, blocks_for
 from atom_runtime.config import EngineConfig
 from atom_runtime.model_runner import ModelRunner
@@ -51,7 +53,7 @@ class InFlight:
     sample: DeviceSample
     seqs: list[Sequence]  # the sequences it samples for, one per row
     positions: list[int]  # where each one's placeholder token sits
-    needs_penalties: bool  # some row applies penalties: the next step needs its tokens on the host first
+    needs_host_tokens: bool  # some row's next step needs its token on the host first (penalties, a grammar)
     scored: list[tuple[Sequence, int]]  # sequences whose prompt positions it scored, and how many, in row order
 
 
@@ -126,8 +128,17 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: set[int]):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        eos_token_ids: set[int],
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
+        """`tokenizer`: for structured outputs' grammars (compiled against its vocabulary), which need one."""
         self.runner = runner
+        self.tokenizer = tokenizer
+        self._grammars: structured_outputs.Grammars | None = None
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -158,9 +169,21 @@ class EngineCore:
             Sequence(request_id, i, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            for seq in seqs:
+                seq.matcher = self.grammars().matcher(params.structured_outputs)
         self.sequences[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def grammars(self) -> structured_outputs.Grammars:
+        """The structured outputs' compiler (made on the first request that needs it)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need the engine's tokenizer", "structured_outputs")
+            vocab = self.runner.model.config.vocab_size
+            self._grammars = structured_outputs.Grammars(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stop a request (or one of its samples) and free its blocks; unknown ids are ignored."""
@@ -186,12 +209,12 @@ class EngineCore:
         results are read back only after the next step is queued, so scheduling, input
         preparation and the host side of outputs overlap with the GPU. A sequence that
         turns out to have stopped (EOS, stop token) computed one token too many, which is
-        dropped. Penalties need the real tokens on the host, so they wait for them first.
+        dropped. Penalties and grammars need the real tokens on the host, so they wait for them first.
         Returns the tokens of the step finished, if one was.
         """
         started = time.perf_counter()
         output = None
-        if self.in_flight is not None and self.in_flight.needs_penalties:
+        if self.in_flight is not None and self.in_flight.needs_host_tokens:
             output = self._finish_in_flight()
         scheduled = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -220,7 +243,7 @@ class EngineCore:
         seqs: list[Sequence] = []
         positions: list[int] = []
         scored: list[tuple[Sequence, int]] = []
-        penalties = False
+        host_tokens = False
         for chunk in chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
@@ -234,8 +257,8 @@ class EngineCore:
                 seqs.append(seq)
                 positions.append(position)
                 seq.token_ids.append(PLACEHOLDER)
-                penalties = penalties or seq.params.needs_penalties
-        return InFlight(sample, seqs, positions, penalties, scored) if sample is not None else None
+                host_tokens = host_tokens or seq.params.needs_host_tokens
+        return InFlight(sample, seqs, positions, host_tokens, scored) if sample is not None else None
 
     def _finish_in_flight(self) -> StepOutput:
         flight, self.in_flight = self.in_flight, None
@@ -261,8 +284,13 @@ class EngineCore:
                 seq.prompt_scores = None
             seq.token_ids[position] = token
             num_tokens = position + 1
-            if num_tokens >= seq.max_num_tokens or (token in seq.stops_on and num_tokens > seq.min_num_tokens):
-                output.finished[row] = self._stop(seq, token, num_tokens)
+            complete = seq.matcher is not None and structured_outputs.accept(seq.matcher, token)
+            if (
+                num_tokens >= seq.max_num_tokens
+                or (token in seq.stops_on and num_tokens > seq.min_num_tokens)
+                or complete
+            ):
+                output.finished[row] = self._stop(seq, token, num_tokens, complete)
         return output
 
     @staticmethod
@@ -277,10 +305,13 @@ class EngineCore:
             mine.ranks += rows.ranks[at : at + n]
             at += n
 
-    def _stop(self, seq: Sequence, token: int, num_tokens: int) -> tuple[str, int | None]:
-        """Retire `seq`, which stops at `token`, its `num_tokens`-th; returns (finish_reason, stop_reason)."""
+    def _stop(self, seq: Sequence, token: int, num_tokens: int, complete: bool = False) -> tuple[str, int | None]:
+        """Retire `seq`, which stops at `token`, its `num_tokens`-th (`complete`: its structured output is);
+        returns (finish_reason, stop_reason)."""
         if token in seq.stops_on and num_tokens > seq.min_num_tokens:
             reason, stop_reason = "stop", token if token in seq.params.stop_token_ids else None
+        elif complete:
+            reason, stop_reason = "stop", None
         else:
             reason, stop_reason = "length", None
         del seq.token_ids[num_tokens:]  # a placeholder queued after a stop

@@ -170,7 +170,8 @@ def create_core(
     tokenizer = AutoTokenizer.from_pretrained(loaded.model_dir)
     torch.manual_seed(config.seed)
     runner = ModelRunner(loaded, config, Sampler())
-    return EngineCore(runner, config, eos_token_ids(loaded.model_dir, loaded.config, tokenizer)), tokenizer
+    eos = eos_token_ids(loaded.model_dir, loaded.config, tokenizer)
+    return EngineCore(runner, config, eos, tokenizer), tokenizer
 
 
 def create_engine(

@@ -16,6 +16,7 @@ from torch import Tensor
 from atom_models.ops.sampling import sample_rows
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.sequence import Sequence
+from atom_runtime.structured_outputs import apply_masks
 
 
 @dataclass
@@ -111,6 +112,9 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), seqs)
         if any(p.shapes_logits for p in params):
             logits = self._shape(logits.clone() if logits is raw_logits else logits, params)
+        if any(p.structured_outputs is not None for p in params):
+            logits = logits.clone() if logits is raw_logits else logits
+            apply_masks(logits, [s.matcher for s in seqs])
         if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
             logits = self._block_stop_tokens(logits.clone() if logits is raw_logits else logits, seqs)
         filtered = any(p.filters for p in params)

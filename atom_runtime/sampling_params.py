@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -14,6 +15,39 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint: `json` (a JSON schema, as a dict or its text), `json_object` (any JSON object),
+    `regex`, `choice` (one of these strings) or `grammar` (EBNF, xgrammar's dialect of GBNF)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            found = ", ".join(given) or "none"
+            raise InvalidRequestError(f"structured outputs take one constraint, got {found}", "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a list of non-empty strings", "structured_outputs")
+
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on: its kind and text."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:  # an EBNF alternation of the strings (JSON's escapes are EBNF's)
+            return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        return "grammar", self.grammar
 
 
 @dataclass
@@ -36,6 +70,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same per prompt token after the first (computed, never cached)
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits before sampling
     allowed_token_ids: list[int] | None = None  # sample only among these
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (no text), sparing per-token decoding
@@ -58,6 +93,8 @@ class SamplingParams:
         self.filters = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
         self.needs_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         self.shapes_logits = bool(self.logit_bias) or self.allowed_token_ids is not None
+        # The next step waits for this one's tokens on the host: penalties count them, a grammar's mask follows them.
+        self.needs_host_tokens = self.needs_penalties or self.structured_outputs is not None
 
     def validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:

@@ -68,6 +68,7 @@ class Sequence:
         self.scores_prompt = params.prompt_logprobs is not None and self.num_prompt_tokens > 1
         self.num_prompt_scored = 0
         self.prompt_scores: SampledTokens | None = None
+        self.matcher = None  # structured outputs: the grammar's state (an xgrammar GrammarMatcher)
 
     def positions_to_score(self, start: int, num_tokens: int) -> range:
         """The prompt positions a chunk of `num_tokens` from `start` scores that no earlier step did."""

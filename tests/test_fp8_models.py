@@ -336,6 +336,7 @@ def test_served_hf_model_leaves_excluded_layers_unquantized(tiny_llama):
     exclude = ["--quantization-exclude", "*.qkv_proj", "--quantization-exclude", "re:.*layers\\.1\\.mlp\\.(gate|up)"]
     engine_kwargs = create_engine_kwargs(parser.parse_args([*flags, *exclude]))
     assert engine_kwargs["quantization_exclude"] == ("*.qkv_proj", "re:.*layers\\.1\\.mlp\\.(gate|up)")
+    del engine_kwargs["generation_config"]  # the front end's (create_engine), not the core's
     core, _ = create_core(tiny_llama, **engine_kwargs)
     fp8 = fp8_projections(core.runner.model.forward.named_parameters())
     unquantized = {name for name, quantized in fp8.items() if not quantized}

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import re
 import shutil
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 import torch
 import uvloop
 
-from atom_runtime import LLM, SamplingParams
+from atom_runtime import LLM, SamplingParams, StructuredOutputsParams
 from atom_runtime.async_engine import TOKENIZE_INLINE_MAX_CHARS
 from atom_runtime.core_client import EngineProcessSettings
 
@@ -362,3 +363,40 @@ def test_chat_with_a_template_of_its_own(llm, tmp_path):
         assert out.prompt_token_ids == llm.tokenizer("[user: hi]", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="no such file"):
         llm.chat(messages, params, chat_template="missing.jinja")
+
+
+def test_structured_outputs(llm):
+    """vLLM's StructuredOutputsParams: a random model's sampled output still matches a JSON schema, a regex, a
+    choice, an EBNF grammar (seeded: the same draws each run); a complete constraint ends the sequence ("stop") even
+    under ignore_eos; an invalid one is refused before it runs."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+
+    def run(**constraint) -> list[str]:
+        params = SamplingParams(
+            temperature=1.0, seed=4, n=3, max_tokens=300, structured_outputs=StructuredOutputsParams(**constraint)
+        )
+        outputs = llm.generate(PROMPTS[1], params)[0].outputs
+        assert all(c.finish_reason == "stop" for c in outputs), [c.text for c in outputs]
+        return [c.text for c in outputs]
+
+    for text in run(json=schema):
+        value = json.loads(text)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99
+    assert all(isinstance(json.loads(text), dict) for text in run(json_object=True))
+    assert all(re.fullmatch(r"[a-c]{2}[0-9]+", text) for text in run(regex=r"[a-c]{2}[0-9]+"))
+    assert set(run(choice=["yes", "no", 'a "quoted" one'])) <= {"yes", "no", 'a "quoted" one'}
+    assert all(text in ("up", "down") for text in run(grammar='root ::= "up" | "down"'))
+    greedy = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="ab")
+    )
+    out = llm.generate(PROMPTS[0], greedy)[0].outputs[0]
+    assert out.text == "ab" and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
+    with pytest.raises(ValueError, match="one constraint, got regex, choice"):
+        StructuredOutputsParams(regex="a", choice=["a"])

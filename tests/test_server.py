@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -446,6 +447,38 @@ def test_logit_bias_and_allowed_token_ids(http):
         assert set(choice["token_ids"]) <= set(allowed)
 
 
+def test_structured_outputs(client, http):
+    """OpenAI's response_format (a JSON schema, any JSON object) and vLLM's structured_outputs / guided_* fields: a
+    random model's sampled output still matches (seeded: each run draws the same)."""
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A color and a digit, as JSON"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+        max_tokens=300,
+        seed=1,
+        n=2,
+    )
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        value = json.loads(choice.message.content)
+        assert set(value) == {"color", "n"} and value["color"] in ("red", "blue") and 0 <= value["n"] <= 9
+    body = {"model": MODEL, "prompt": "Pick", "max_tokens": 40, "seed": 2, "n": 3}
+    for field, constraint, check in [
+        ("guided_choice", ["yes", "no", "maybe so"], lambda text: text in ("yes", "no", "maybe so")),
+        ("guided_regex", r"[0-9]{3}-[a-z]{2}", lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2}", text)),
+        ("structured_outputs", {"choice": ["left", "right"]}, lambda text: text in ("left", "right")),
+        ("response_format", {"type": "json_object"}, lambda text: isinstance(json.loads(text), dict)),
+    ]:
+        answer = http.post(COMPLETIONS, json=body | {field: constraint, "max_tokens": 300}).json()
+        assert all(c["finish_reason"] == "stop" and check(c["text"]) for c in answer["choices"]), (field, answer)
+
+
 def test_64_concurrent_streams_equal_serial(client, server):
     prompts = [f"Request number {i}: " for i in range(64)]
     serial = [greedy_ids(client, p, max_tokens=10) for p in prompts]
@@ -627,15 +660,38 @@ BAD_REQUESTS = {
     "chat echo": (CHAT, {"messages": OK_CHAT, "echo": True}, 400, "echo"),
     "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     "bad_words": (COMPLETIONS, {"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
-    "json mode": (CHAT, {"messages": OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    "json schema": (
+    "two structured output constraints": (
         COMPLETIONS,
-        {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]},
+        400,
+        "guided_choice",
+    ),
+    "invalid guided_regex": (COMPLETIONS, {"prompt": "hi", "guided_regex": "(a"}, 400, "guided_regex"),
+    "invalid json schema": (
+        CHAT,
+        {"messages": OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
         400,
         "response_format",
     ),
-    "guided_json": (COMPLETIONS, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
-    "guided_choice": (CHAT, {"messages": OK_CHAT, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    "json_schema without a schema": (
+        CHAT,
+        {"messages": OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        400,
+        "response_format",
+    ),
+    "unknown response_format": (
+        CHAT,
+        {"messages": OK_CHAT, "response_format": {"type": "yaml"}},
+        400,
+        "response_format",
+    ),
+    "unknown structured_outputs key": (
+        COMPLETIONS,
+        {"prompt": "hi", "structured_outputs": {"yaml": "x"}},
+        400,
+        "structured_outputs",
+    ),
+    "empty guided_choice": (COMPLETIONS, {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
     "logit_bias key not a token id": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 100}}, 400, "logit_bias"),
     "logit_bias beyond vocab": (CHAT, {"messages": OK_CHAT, "logit_bias": {"320": 1}}, 400, "logit_bias"),
     "empty allowed_token_ids": (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),

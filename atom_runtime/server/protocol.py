@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, with_defaults
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams, with_defaults
 
 # Omit an optional field from the JSON when it is unset (extensions, usage of most stream chunks).
 _OMIT_NONE = dict(default=None, exclude_if=lambda value: value is None)
@@ -80,22 +80,20 @@ class _SamplingFields(_Request):
     store: Any = None
     service_tier: Any = None
     parallel_tool_calls: Any = None
-    # Known, not implemented, and they would change the output: refused unless unset (UNSUPPORTED).
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Known, not implemented, and they would change the output: refused unless unset (UNSUPPORTED).
     bad_words: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        **dict.fromkeys(
-            ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"), "guided decoding"
-        ),
         "bad_words": "banning words",
         "use_beam_search": "beam search",
         "truncate_prompt_tokens": "truncating the prompt",
@@ -106,8 +104,49 @@ class _SamplingFields(_Request):
         for field, what in self.UNSUPPORTED.items():
             if not _unset(getattr(self, field)):
                 _refuse(field, what)
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            _refuse("response_format", f"structured output ({self.response_format.get('type')!r})")
+
+    # Where the engine names a field the request calls otherwise (its errors' `param`).
+    PARAMS: ClassVar[dict[str, str]] = {}
+
+    def field_of(self, param: str | None) -> str | None:
+        """The request's name for the engine's `param` (an error's): a structured output's, the field that set it."""
+        if param == "structured_outputs":
+            return next(iter(self._constraints()), param)
+        return self.PARAMS.get(param, param)
+
+    def _constraints(self) -> dict[str, dict]:
+        """The structured output constraints the request sets, by field: StructuredOutputsParams' arguments."""
+        given: dict[str, dict] = {}
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            given["response_format"] = {"json": ((self.response_format.get("json_schema") or {}).get("schema"))}
+            if given["response_format"]["json"] is None:
+                raise InvalidRequestError("response_format json_schema needs json_schema.schema", "response_format")
+        elif kind != "text":
+            message = f"response_format type {kind!r} is not text, json_object or json_schema"
+            raise InvalidRequestError(message, "response_format")
+        for name in ("json", "regex", "choice", "grammar"):
+            if (value := getattr(self, f"guided_{name}")) is not None:
+                given[f"guided_{name}"] = {name: value}
+        if self.structured_outputs:
+            given["structured_outputs"] = self.structured_outputs
+        return given
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint the request sets, in whichever of its fields; InvalidRequestErrors name that field."""
+        given = self._constraints()
+        if len(given) > 1:
+            raise InvalidRequestError(f"set one structured output constraint, not {', '.join(given)}", list(given)[1])
+        for field, constraint in given.items():
+            try:
+                return StructuredOutputsParams(**constraint)
+            except InvalidRequestError as error:
+                raise InvalidRequestError(str(error), field) from None
+            except TypeError as error:  # a key StructuredOutputsParams does not have
+                raise InvalidRequestError(f"{field}: {error}", field) from None
+        return None
 
     def _sampling_params(
         self, defaults: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -143,6 +182,7 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=self._logit_bias(),
+            structured_outputs=self._structured_outputs(),
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -235,6 +275,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     reasoning_effort: Any = None
 
+    PARAMS: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **_SamplingFields.UNSUPPORTED,
         "tools": "function calling",

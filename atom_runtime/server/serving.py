@@ -77,7 +77,6 @@ _RENDER_ARGUMENTS = frozenset(
     }
 )
 # Engine parameter names as chat requests call them.
-_CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 @dataclass
@@ -117,10 +116,14 @@ class OpenAIServing:
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self.check_model(request.model)
-        params = request.sampling_params(self.engine.sampling_defaults)
-        prompts = [await self._prompt(p) for p in request.prompts()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = self._generate(prompts, params, request_id, request.stream)
+        try:
+            params = request.sampling_params(self.engine.sampling_defaults)
+            prompts = [await self._prompt(p) for p in request.prompts()]
+            outputs = self._generate(prompts, params, request_id, request.stream)
+        except InvalidRequestError as error:  # name the field the client sent
+            error.param = request.field_of(error.param)
+            raise
         if request.stream:
             return _sse(self._completion_chunks(request, request_id, prompts, params, outputs))
         finals = await _unless_disconnected(raw, _final_outputs(outputs, len(prompts)))
@@ -218,7 +221,7 @@ class OpenAIServing:
             )
             outputs = self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
-            error.param = _CHAT_PARAMS.get(error.param, error.param)
+            error.param = request.field_of(error.param)
             raise
         if request.stream:
             return _sse(self._chat_chunks(request, request_id, params, outputs))
