@@ -76,7 +76,6 @@ _RENDER_ARGUMENTS = frozenset(
         "tokenizer_kwargs",
     }
 )
-# Engine parameter names as chat requests call them.
 
 
 @dataclass
