@@ -204,8 +204,15 @@ class AsyncEngine:
         if not self._core.is_alive():
             raise EngineDeadError("the engine has shut down")
 
+    def truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the request runs it: with truncate_prompt_tokens, its last k tokens (-1: max_model_len)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        return prompt_token_ids[-(self.max_model_len if k == -1 else k) :]
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.limits.check(prompt_token_ids, params)
+        self.limits.check(self.truncated(prompt_token_ids, params), params)
         if params.structured_outputs is not None:  # here too, so that a bad one is a 400 before a response starts
             if self._grammars is None:
                 stop = {self.tokenizer.eos_token_id} - {None}
@@ -230,11 +237,12 @@ class AsyncEngine:
         Closing the iterator early (a client that went away) aborts the request and frees its blocks.
         """
         self._check_alive()
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequestError("give a prompt or prompt_token_ids", "prompt")
             prompt_token_ids = await self.tokenize(prompt)
+        prompt_token_ids = self.truncated(prompt_token_ids, params)
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._states:

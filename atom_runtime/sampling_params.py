@@ -71,6 +71,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits before sampling
     allowed_token_ids: list[int] | None = None  # sample only among these
     structured_outputs: StructuredOutputsParams | None = None  # what the output must match
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as the context holds)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (no text), sparing per-token decoding
@@ -141,6 +142,11 @@ class SamplingParams:
             "logit_bias values must be finite",
         )
         check(self.allowed_token_ids != [], "allowed_token_ids", "allowed_token_ids cannot be empty")
+        check(
+            self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}",
+        )
         check(all(self.stop), "stop", "stop cannot contain an empty string")
         check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
 

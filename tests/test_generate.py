@@ -400,3 +400,17 @@ def test_structured_outputs(llm):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
     with pytest.raises(ValueError, match="one constraint, got regex, choice"):
         StructuredOutputsParams(regex="a", choice=["a"])
+
+
+def test_truncate_prompt_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the request runs the prompt's last k tokens (-1: as many as the context holds),
+    and says so in prompt_token_ids."""
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=5)
+    (cut,) = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    (tail,) = llm.generate(prompt_token_ids=ids[-5:], sampling_params=GREEDY)
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids[:6]
+    whole = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=-1)
+    assert llm.generate(prompt_token_ids=ids, sampling_params=whole)[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or at least 1"):
+        SamplingParams(truncate_prompt_tokens=0)

@@ -434,6 +434,11 @@ def test_echo_with_logprobs(client, http):
     assert chat_scores[0] is None and all(len(entry) == 1 for entry in chat_scores[1:])
 
 
+def test_truncate_prompt_tokens(http):
+    body = {"model": MODEL, "prompt": "A long prompt, cut short", "max_tokens": 2, "truncate_prompt_tokens": 3}
+    assert http.post(COMPLETIONS, json=body).json()["usage"]["prompt_tokens"] == 3
+
+
 def test_logit_bias_and_allowed_token_ids(http):
     """OpenAI's logit_bias (+100: that token every time) and vLLM's allowed_token_ids (only those, even sampling)."""
     (x,) = http.post("/tokenize", json={"model": MODEL, "prompt": "x", "add_special_tokens": False}).json()["tokens"]
@@ -692,6 +697,12 @@ BAD_REQUESTS = {
         "structured_outputs",
     ),
     "empty guided_choice": (COMPLETIONS, {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    "truncate_prompt_tokens 0": (
+        COMPLETIONS,
+        {"prompt": "hi", "truncate_prompt_tokens": 0},
+        400,
+        "truncate_prompt_tokens",
+    ),
     "logit_bias key not a token id": (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 100}}, 400, "logit_bias"),
     "logit_bias beyond vocab": (CHAT, {"messages": OK_CHAT, "logit_bias": {"320": 1}}, 400, "logit_bias"),
     "empty allowed_token_ids": (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
