@@ -3,6 +3,8 @@ kernels overlap)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,3 +81,18 @@ def test_split_replays_and_names():
     assert split_replays(events[-1:], 3) == "CUPTI reported no kernels inside the graph replays"
     assert activity_name({"name": "Memcpy HtoD"}) == "Memcpy HtoD"
     assert len(activity_name(kernel(0, 1, "x" * 80, [28672, 1, 1]))) <= 60
+
+
+def test_profile_steps_reports_each_steps_ops(llama_artifact, tmp_path):
+    """profile_steps.py on the CPU: the ops of the profiled steps (on a GPU, the kernels) and what the steps held."""
+    out = tmp_path / "steps.json"
+    command = [sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "profile_steps.py")]
+    command += ["--artifact", str(llama_artifact), "--num-prompts", "3", "--input-len", "12", "--output-len", "8"]
+    command += ["--max-num-batched-tokens", "16", "--warm-steps", "2", "--timed-steps", "2", "--profiled-steps", "2"]
+    command += ["--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["kernels"] and result["kernels"][0]["ms"] >= result["kernels"][-1]["ms"] > 0
+    assert 1 <= result["seqs"] <= 3 and result["tokens"] <= 16 and result["wall_ms"] > 0
+    assert "kernels, device time a step" in run.stdout
