@@ -143,12 +143,18 @@ def to_inline_scale_cache(cache: torch.Tensor) -> torch.Tensor:
 
 
 def bench_decode(
-    seq_lens: list[int], label: str, configs: list[attention.AttentionConfig], sdpa: bool, fp8_kv: bool = False
+    seq_lens: list[int],
+    label: str,
+    configs: list[attention.AttentionConfig],
+    sdpa: bool,
+    fp8_kv: bool = False,
+    query_lens: list[int] | None = None,
 ) -> list[dict]:
-    """One query token per sequence; each of our outputs is checked against the reference first."""
+    """One query token per sequence, or `query_lens` (a mixed step: prefill chunks among the decodes, their context
+    counted once in the KV read); each of our outputs is checked against the reference first."""
     kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
     sets = max(1, math.ceil(MIN_DECODE_BYTES / kv_bytes))
-    batches = [paged_batch([1] * len(seq_lens), seq_lens) for _ in range(sets)]
+    batches = [paged_batch(query_lens or [1] * len(seq_lens), seq_lens) for _ in range(sets)]
     scale = HEAD_DIM**-0.5
     ref = attention_ops.paged_attention_reference(*batches[0], scale)
     caches = {"ours (paged)": (batches, (), kv_bytes)}
@@ -354,6 +360,20 @@ def main() -> None:
         steps["decode"].append(partial(bench_decode_kv, [ctx], f"b1 ctx{ctx}", decode_configs, sdpa=True))
     # bench_decode.py's batch 1
     steps["decode"].append(partial(bench_decode_kv, [432], "b1 ctx432", decode_configs, sdpa=True))
+    # A mixed step of the offline run at a 512-token budget (RESULTS, twenty-fifth session): 167 decodes beside a
+    # 345-token chunk at 1,024 keys cached, against the same decodes alone.
+    decodes = torch.randint(1024, 1281, (167,), generator=gen).tolist()
+    steps["decode"].append(partial(bench_decode_kv, decodes, "b167 ctx1024-1280", [base], sdpa=False))
+    steps["decode"].append(
+        partial(
+            bench_decode_kv,
+            [*decodes, 1024 + 345],
+            "b167 ctx1024-1280 + a 345-token chunk",
+            [base],
+            sdpa=False,
+            query_lens=[1] * 167 + [345],
+        )
+    )
     for step in steps[args.only] if args.only else [s for group in steps.values() for s in group]:
         new_rows = step()
         print_rows(new_rows)
