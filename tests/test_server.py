@@ -482,6 +482,15 @@ def test_structured_outputs(client, http):
     ]:
         answer = http.post(COMPLETIONS, json=body | {field: constraint, "max_tokens": 300}).json()
         assert all(c["finish_reason"] == "stop" and check(c["text"]) for c in answer["choices"]), (field, answer)
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Stream a choice"}],
+        stream=True,
+        seed=3,
+        max_tokens=40,
+        extra_body={"guided_choice": ["alpha", "beta"]},
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) in ("alpha", "beta")
 
 
 def test_64_concurrent_streams_equal_serial(client, server):
