@@ -10,6 +10,8 @@ Commands go to the core through a queue; its messages come back with `call_soon_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -27,7 +29,7 @@ from atom_runtime.engine_core import EngineCore, EngineStats, StepOutput
 from atom_runtime.metrics import Metrics
 from atom_runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atom_runtime.sampler import SampledTokens
-from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, with_defaults
+from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, tokenize_bad_words, with_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +245,9 @@ class AsyncEngine:
                 raise InvalidRequestError("give a prompt or prompt_token_ids", "prompt")
             prompt_token_ids = await self.tokenize(prompt)
         prompt_token_ids = self.truncated(prompt_token_ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:  # the core speaks token ids
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words, encode))
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._states:

@@ -111,7 +111,7 @@ class Sampler:
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
         if any(p.shapes_logits for p in params):
-            logits = self._shape(logits.clone() if logits is raw_logits else logits, params)
+            logits = self._shape(logits.clone() if logits is raw_logits else logits, seqs)
         if any(p.structured_outputs is not None for p in params):
             logits = logits.clone() if logits is raw_logits else logits
             apply_masks(logits, [s.matcher for s in seqs])
@@ -153,9 +153,11 @@ class Sampler:
         return logits - freq * counts - pres * (counts > 0).float()
 
     @staticmethod
-    def _shape(logits: Tensor, params: list[SamplingParams]) -> Tensor:
-        """logit_bias and allowed_token_ids, in place: the bias added, tokens not allowed at -inf."""
-        for row, p in enumerate(params):
+    def _shape(logits: Tensor, seqs: list[Sequence]) -> Tensor:
+        """logit_bias, allowed_token_ids and bad words, in place: the bias added, tokens not allowed at -inf, and so
+        the last token of a bad word whose other tokens the output ends with."""
+        for row, seq in enumerate(seqs):
+            p = seq.params
             if p.allowed_token_ids is not None:
                 allowed = on_device(p.allowed_token_ids, torch.long, logits.device)
                 kept = logits[row, allowed]
@@ -164,6 +166,11 @@ class Sampler:
             if p.logit_bias:
                 tokens = on_device(list(p.logit_bias), torch.long, logits.device)
                 logits[row, tokens] += on_device(list(p.logit_bias.values()), torch.float32, logits.device)
+            if p.bad_words_token_ids:
+                output = seq.output_token_ids
+                banned = [w[-1] for w in p.bad_words_token_ids if len(w) == 1 or output[-(len(w) - 1) :] == w[:-1]]
+                if banned:
+                    logits[row, on_device(banned, torch.long, logits.device)] = float("-inf")
         return logits
 
     def _block_stop_tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:

@@ -72,6 +72,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     structured_outputs: StructuredOutputsParams | None = None  # what the output must match
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as the context holds)
+    bad_words: list[str] | None = None  # words never completed (their last token is banned where it would)
+    # bad_words as token sequences (`tokenize_bad_words`), filled in by the engine from its tokenizer
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (no text), sparing per-token decoding
@@ -93,9 +96,14 @@ class SamplingParams:
         self.sample_temperature = 0.0 if self.greedy else self.temperature  # what `sample_rows` takes
         self.filters = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
         self.needs_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-        self.shapes_logits = bool(self.logit_bias) or self.allowed_token_ids is not None
-        # The next step waits for this one's tokens on the host: penalties count them, a grammar's mask follows them.
-        self.needs_host_tokens = self.needs_penalties or self.structured_outputs is not None
+        self.shapes_logits = (
+            bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+        )
+        # The next step waits for this one's tokens on the host: penalties count them, a grammar's mask and bad words
+        # follow them.
+        self.needs_host_tokens = (
+            self.needs_penalties or self.structured_outputs is not None or bool(self.bad_words_token_ids)
+        )
 
     def validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -142,6 +150,7 @@ class SamplingParams:
             "logit_bias values must be finite",
         )
         check(self.allowed_token_ids != [], "allowed_token_ids", "allowed_token_ids cannot be empty")
+        check(all(w.strip() for w in self.bad_words or ()), "bad_words", "bad_words cannot contain an empty word")
         check(
             self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
             "truncate_prompt_tokens",
@@ -160,3 +169,17 @@ def with_defaults(defaults: dict, **fields) -> SamplingParams:
     merged = {name: value for name, value in defaults.items() if fields.get(name) is None}
     merged |= {name: value for name, value in fields.items() if value is not None or name == "max_tokens"}
     return SamplingParams(**merged)
+
+
+def tokenize_bad_words(words: list[str], encode) -> list[list[int]]:
+    """Each bad word as the token sequences that write it (vLLM's rule): on its own, and after a space where that is
+    another sequence of the same length (a word-initial token), so that it is banned at the start and in the middle
+    of text. `encode`: text -> token ids, without special tokens."""
+    sequences = []
+    for word in words:
+        alone = encode(word.lstrip())
+        sequences.append(alone)
+        spaced = encode(" " + word.lstrip())
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return sequences

@@ -19,6 +19,7 @@ import uvloop
 from atom_runtime import LLM, SamplingParams, StructuredOutputsParams
 from atom_runtime.async_engine import TOKENIZE_INLINE_MAX_CHARS
 from atom_runtime.core_client import EngineProcessSettings
+from atom_runtime.sampling_params import tokenize_bad_words
 
 PROMPTS = ["Hello", "The quick brown fox jumps over", "a", "Once upon a time, in a land far away, there"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -414,3 +415,19 @@ def test_truncate_prompt_tokens(llm):
     assert llm.generate(prompt_token_ids=ids, sampling_params=whole)[0].prompt_token_ids == ids
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or at least 1"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_bad_words(llm):
+    """vLLM's bad_words: a one-token word is never drawn; a longer one is never completed (its last token is banned
+    where the output ends with the rest); the words' token sequences come from the tokenizer (a byte a token here).
+    The output is held to five letters (allowed_token_ids) so that the words would come up."""
+    letters = {c: llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "abcde"}
+    base = dict(temperature=1.0, seed=7, n=4, max_tokens=40, ignore_eos=True, allowed_token_ids=list(letters.values()))
+    free = [c.text for c in llm.generate(PROMPTS[1], SamplingParams(**base))[0].outputs]
+    assert any("e" in text for text in free) and any("ab" in text for text in free)  # what the ban must prevent
+    banned = [c.text for c in llm.generate(PROMPTS[1], SamplingParams(**base, bad_words=["e", "ab"]))[0].outputs]
+    assert all("e" not in text and "ab" not in text and len(text) == 40 for text in banned)
+    encode = lambda s: llm.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert tokenize_bad_words([" ab"], encode) == [encode("ab")]  # " ab" is three bytes: not a word-initial form
+    word_initial = {"ab": [1, 2], " ab": [3, 2], "cd": [4], " cd": [5, 4]}.get  # a BPE's "ab" and "Ġab"
+    assert tokenize_bad_words(["ab", "cd"], word_initial) == [[1, 2], [3, 2], [4]]

@@ -434,6 +434,14 @@ def test_echo_with_logprobs(client, http):
     assert chat_scores[0] is None and all(len(entry) == 1 for entry in chat_scores[1:])
 
 
+def test_bad_words(http):
+    letters = http.post("/tokenize", json={"model": MODEL, "prompt": "xyz", "add_special_tokens": False}).json()
+    body = {"model": MODEL, "prompt": "Words", "max_tokens": 30, "seed": 1, "ignore_eos": True, "n": 3}
+    body |= {"allowed_token_ids": letters["tokens"], "bad_words": ["x", "yz"]}
+    for choice in http.post(COMPLETIONS, json=body).json()["choices"]:
+        assert "x" not in choice["text"] and "yz" not in choice["text"] and len(choice["text"]) == 30
+
+
 def test_truncate_prompt_tokens(http):
     body = {"model": MODEL, "prompt": "A long prompt, cut short", "max_tokens": 2, "truncate_prompt_tokens": 3}
     assert http.post(COMPLETIONS, json=body).json()["usage"]["prompt_tokens"] == 3
@@ -673,7 +681,7 @@ BAD_REQUESTS = {
     "tokenize with tools": ("/tokenize", {"messages": OK_CHAT, "tools": [TOOL]}, 400, "tools"),
     "chat echo": (CHAT, {"messages": OK_CHAT, "echo": True}, 400, "echo"),
     "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
-    "bad_words": (COMPLETIONS, {"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
+    "an empty bad word": (COMPLETIONS, {"prompt": "hi", "bad_words": ["x", " "]}, 400, "bad_words"),
     "two structured output constraints": (
         COMPLETIONS,
         {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]},

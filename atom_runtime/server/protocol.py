@@ -74,6 +74,7 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (not with stream=true)
     logit_bias: dict[str, float] | None = None  # OpenAI's: {token id: bias}, clamped to [-100, 100]
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as the context holds)
     # OpenAI's, with no effect on a self-hosted server's output: accepted as they are.
     user: str | None = None
@@ -89,12 +90,10 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # Known, not implemented, and they would change the output: refused unless unset (UNSUPPORTED).
-    bad_words: Any = None
     use_beam_search: Any = None
     logits_processors: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "bad_words": "banning words",
         "use_beam_search": "beam search",
         "logits_processors": "logits processors",
     }
@@ -183,6 +182,7 @@ class _SamplingFields(_Request):
             logit_bias=self._logit_bias(),
             structured_outputs=self._structured_outputs(),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
