@@ -145,11 +145,16 @@ class SamplingParams:
             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
         )
         check(
-            all(abs(bias) < _FLOAT32_MAX for bias in (self.logit_bias or {}).values()),
+            all(isinstance(t, int) and abs(b) < _FLOAT32_MAX for t, b in (self.logit_bias or {}).items()),
             "logit_bias",
-            "logit_bias values must be finite",
+            "logit_bias maps token ids (ints) to finite biases",
         )
-        check(self.allowed_token_ids != [], "allowed_token_ids", "allowed_token_ids cannot be empty")
+        check(
+            self.allowed_token_ids is None
+            or (self.allowed_token_ids and all(isinstance(t, int) for t in self.allowed_token_ids)),
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of token ids",
+        )
         check(all(w.strip() for w in self.bad_words or ()), "bad_words", "bad_words cannot contain an empty word")
         check(
             self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,

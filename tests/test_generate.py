@@ -349,8 +349,10 @@ def test_logit_bias_and_allowed_token_ids(llm):
     assert other.logprobs[0][other.token_ids[0]].logprob < plain.outputs[0].logprobs[0][first].logprob
     allowed = SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=8, ignore_eos=True, allowed_token_ids=[3, 9, 11])
     assert all(set(c.token_ids) <= {3, 9, 11} for c in llm.generate(PROMPTS[0], allowed)[0].outputs)
-    with pytest.raises(ValueError, match="allowed_token_ids cannot be empty"):
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list of token ids"):
         SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="logit_bias maps token ids"):
+        SamplingParams(logit_bias={"7": 1.0})
 
 
 def test_chat_with_a_template_of_its_own(llm, tmp_path):
