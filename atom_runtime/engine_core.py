@@ -284,13 +284,13 @@ class EngineCore:
                 seq.prompt_scores = None
             seq.token_ids[position] = token
             num_tokens = position + 1
-            complete = seq.matcher is not None and structured_outputs.accept(seq.matcher, token)
+            grammar = seq.matcher is not None and structured_outputs.accept(seq.matcher, token)
             if (
                 num_tokens >= seq.max_num_tokens
                 or (token in seq.stops_on and num_tokens > seq.min_num_tokens)
-                or complete
+                or grammar is not False
             ):
-                output.finished[row] = self._stop(seq, token, num_tokens, complete)
+                output.finished[row] = self._stop(seq, token, num_tokens, grammar)
         return output
 
     @staticmethod
@@ -305,12 +305,14 @@ class EngineCore:
             mine.ranks += rows.ranks[at : at + n]
             at += n
 
-    def _stop(self, seq: Sequence, token: int, num_tokens: int, complete: bool = False) -> tuple[str, int | None]:
-        """Retire `seq`, which stops at `token`, its `num_tokens`-th (`complete`: its structured output is);
-        returns (finish_reason, stop_reason)."""
+    def _stop(self, seq: Sequence, token: int, num_tokens: int, grammar: bool | None = False) -> tuple[str, int | None]:
+        """Retire `seq`, which stops at `token`, its `num_tokens`-th (`grammar`: its structured output's state,
+        `structured_outputs.accept`); returns (finish_reason, stop_reason)."""
         if token in seq.stops_on and num_tokens > seq.min_num_tokens:
             reason, stop_reason = "stop", token if token in seq.params.stop_token_ids else None
-        elif complete:
+        elif grammar is None:
+            reason, stop_reason = "abort", None
+        elif grammar:
             reason, stop_reason = "stop", None
         else:
             reason, stop_reason = "length", None

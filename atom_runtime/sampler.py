@@ -174,8 +174,8 @@ class Sampler:
         return logits
 
     def _block_stop_tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
-        for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens and seq.stops_on:
+        for row, seq in enumerate(seqs):  # (a grammar decides where a structured output ends)
+            if seq.num_output_tokens < seq.params.min_tokens and seq.stops_on and seq.matcher is None:
                 logits[row, on_device(sorted(seq.stops_on), torch.long, logits.device)] = float("-inf")
         return logits
 

@@ -7,6 +7,7 @@ steps wait for their tokens on the host, as penalties do.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,8 @@ from atom_runtime.sampling_params import InvalidRequestError, StructuredOutputsP
 
 if TYPE_CHECKING:
     import xgrammar
+
+logger = logging.getLogger(__name__)
 
 
 class Grammars:
@@ -62,8 +65,11 @@ def apply_masks(logits: Tensor, matchers: list[Any]) -> None:
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 
-def accept(matcher: Any, token: int) -> bool:
-    """Take the token drawn; True when the constraint is complete (nothing more may follow)."""
+def accept(matcher: Any, token: int) -> bool | None:
+    """Take the token drawn: True when the constraint is complete (nothing more may follow), False while it goes on,
+    None if it refuses the token, which the sampler draws only when the request's other settings (allowed_token_ids,
+    bad_words, a -100 logit_bias) left none of the tokens the grammar allows."""
     if not matcher.accept_token(token):
-        raise RuntimeError(f"structured outputs: the sampler drew token {token}, which the grammar does not allow")
+        logger.warning("structured outputs: nothing the grammar allows was left to draw; the sequence ends (abort)")
+        return None
     return matcher.is_terminated()

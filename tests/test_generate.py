@@ -401,6 +401,12 @@ def test_structured_outputs(llm):
     assert out.text == "ab" and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="invalid regex"):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
+    # allowed_token_ids that leave nothing the grammar allows: that sequence ends ("abort"), the engine goes on
+    z = llm.tokenizer.encode("z", add_special_tokens=False)
+    stuck = SamplingParams(allowed_token_ids=z, structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    assert llm.generate("x", stuck)[0].outputs[0].finish_reason == "abort"
+    min_tokens = SamplingParams(min_tokens=5, max_tokens=9, structured_outputs=StructuredOutputsParams(choice=["no"]))
+    assert llm.generate("x", min_tokens)[0].outputs[0].text == "no"  # the grammar decides where it ends
     with pytest.raises(ValueError, match="one constraint, got regex, choice"):
         StructuredOutputsParams(regex="a", choice=["a"])
 
