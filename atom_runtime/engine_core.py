@@ -105,6 +105,11 @@ class EngineLimits:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
         self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
         self.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
+        if (k := params.truncate_prompt_tokens) is not None and k > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={k} exceeds the model's context of {self.max_model_len} tokens",
+                "truncate_prompt_tokens",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

@@ -174,9 +174,15 @@ class Sampler:
         return logits
 
     def _block_stop_tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
-        for row, seq in enumerate(seqs):  # (a grammar decides where a structured output ends)
-            if seq.num_output_tokens < seq.params.min_tokens and seq.stops_on and seq.matcher is None:
-                logits[row, on_device(sorted(seq.stops_on), torch.long, logits.device)] = float("-inf")
+        """min_tokens: stop tokens at -inf, except in a row whose grammar allows nothing else (it ends there)."""
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens and seq.stops_on:
+                stops = on_device(sorted(seq.stops_on), torch.long, logits.device)
+                if seq.matcher is None:
+                    logits[row, stops] = float("-inf")
+                else:  # chosen on the device: no sync
+                    blocked = logits[row].index_fill(0, stops, float("-inf"))
+                    logits[row] = torch.where(torch.isneginf(blocked).all(), logits[row], blocked)
         return logits
 
     def _filtered_draw(self, logits: Tensor, params: list[SamplingParams], draws: Draws) -> Tensor:

@@ -34,13 +34,19 @@ class StructuredOutputsParams:
         if len(given) != 1:
             found = ", ".join(given) or "none"
             raise InvalidRequestError(f"structured outputs take one constraint, got {found}", "structured_outputs")
+        types = {"json": (dict, str), "regex": str, "grammar": str, "choice": list}
+        for name, kinds in types.items():
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kinds):
+                raise InvalidRequestError(f"structured outputs: {name} has the wrong type", "structured_outputs")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("structured outputs: json_object must be true or false", "structured_outputs")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("choice must be a list of non-empty strings", "structured_outputs")
 
     def key(self) -> tuple[str, str]:
         """What the compiled grammar depends on: its kind and text."""
         if self.json is not None:
-            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)  # (properties in order)
         if self.json_object:
             return "json_object", ""
         if self.regex is not None:

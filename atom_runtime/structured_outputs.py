@@ -44,7 +44,7 @@ class Grammars:
         }[kind]
         try:
             return compile_kind(text)
-        except (RuntimeError, ValueError) as error:  # xgrammar's errors for a schema, regex or grammar it refuses
+        except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's, for a schema, regex or grammar it refuses
             # "[12:00:00] /project/cpp/regex_converter.cc:83: Regex parsing error ...": the message after the place
             reason = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(error).strip()).splitlines()
             message = reason[0] if reason else type(error).__name__

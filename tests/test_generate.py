@@ -406,7 +406,15 @@ def test_structured_outputs(llm):
     stuck = SamplingParams(allowed_token_ids=z, structured_outputs=StructuredOutputsParams(choice=["yes"]))
     assert llm.generate("x", stuck)[0].outputs[0].finish_reason == "abort"
     min_tokens = SamplingParams(min_tokens=5, max_tokens=9, structured_outputs=StructuredOutputsParams(choice=["no"]))
-    assert llm.generate("x", min_tokens)[0].outputs[0].text == "no"  # the grammar decides where it ends
+    assert llm.generate("x", min_tokens)[0].outputs[0].text == "no"  # where the grammar allows nothing else
+    eager_end = {llm.tokenizer.eos_token_id: 100.0}  # EOS as soon as the grammar allows it, but min_tokens first
+    regex = StructuredOutputsParams(regex="[ab]+")
+    held = SamplingParams(temperature=0, max_tokens=20, min_tokens=6, logit_bias=eager_end, structured_outputs=regex)
+    assert len(llm.generate("x", held)[0].outputs[0].text) == 6
+    ordered = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "boolean"}}}
+    ordered |= {"required": ["zeta", "alpha"], "additionalProperties": False}
+    for text in run(json=ordered):
+        assert list(json.loads(text)) == ["zeta", "alpha"]  # the schema's order, as declared
     with pytest.raises(ValueError, match="one constraint, got regex, choice"):
         StructuredOutputsParams(regex="a", choice=["a"])
 

@@ -443,8 +443,16 @@ def test_bad_words(http):
 
 
 def test_truncate_prompt_tokens(http):
+    """The request runs (and reports) its prompt's last 3 tokens: usage, return_token_ids, and echo with logprobs."""
     body = {"model": MODEL, "prompt": "A long prompt, cut short", "max_tokens": 2, "truncate_prompt_tokens": 3}
-    assert http.post(COMPLETIONS, json=body).json()["usage"]["prompt_tokens"] == 3
+    body |= {"return_token_ids": True, "echo": True, "logprobs": 1, "temperature": 0, "ignore_eos": True}
+    ids = http.post("/tokenize", json={"model": MODEL, "prompt": body["prompt"]}).json()["tokens"]
+    answer = http.post(COMPLETIONS, json=body).json()
+    choice = answer["choices"][0]
+    assert answer["usage"]["prompt_tokens"] == 3 and choice["prompt_token_ids"] == ids[-3:]
+    assert len(choice["logprobs"]["tokens"]) == 3 + 2 and choice["text"].startswith("ort")
+    chat = {"model": MODEL, "messages": OK_CHAT, "max_tokens": 1, "truncate_prompt_tokens": 4, "return_token_ids": True}
+    assert len(http.post(CHAT, json=chat).json()["prompt_token_ids"]) == 4
 
 
 def test_logit_bias_and_allowed_token_ids(http):
@@ -714,6 +722,43 @@ BAD_REQUESTS = {
         "structured_outputs",
     ),
     "empty guided_choice": (COMPLETIONS, {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    "empty structured_outputs": (COMPLETIONS, {"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
+    "a regex not a string": (
+        COMPLETIONS,
+        {"prompt": "hi", "structured_outputs": {"regex": 5}},
+        400,
+        "structured_outputs",
+    ),
+    "choice not a list": (
+        COMPLETIONS,
+        {"prompt": "hi", "structured_outputs": {"choice": "abc"}},
+        400,
+        "structured_outputs",
+    ),
+    "json_object not a bool": (
+        COMPLETIONS,
+        {"prompt": "hi", "structured_outputs": {"json_object": "yes"}},
+        400,
+        "structured_outputs",
+    ),
+    "json_schema not an object": (
+        CHAT,
+        {"messages": OK_CHAT, "response_format": {"type": "json_schema", "json_schema": "x"}},
+        400,
+        "response_format",
+    ),
+    "guided_whitespace_pattern": (
+        COMPLETIONS,
+        {"prompt": "hi", "guided_json": {}, "guided_whitespace_pattern": " "},
+        400,
+        "guided_whitespace_pattern",
+    ),
+    "truncate_prompt_tokens beyond the context": (
+        COMPLETIONS,
+        {"prompt": "hi", "truncate_prompt_tokens": 100000},
+        400,
+        "truncate_prompt_tokens",
+    ),
     "truncate_prompt_tokens 0": (
         COMPLETIONS,
         {"prompt": "hi", "truncate_prompt_tokens": 0},

@@ -91,10 +91,12 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
     # Known, not implemented, and they would change the output: refused unless unset (UNSUPPORTED).
     use_beam_search: Any = None
+    guided_whitespace_pattern: Any = None
     logits_processors: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "use_beam_search": "beam search",
+        "guided_whitespace_pattern": "a whitespace pattern for structured outputs",
         "logits_processors": "logits processors",
     }
 
@@ -119,16 +121,17 @@ class _SamplingFields(_Request):
         if kind == "json_object":
             given["response_format"] = {"json_object": True}
         elif kind == "json_schema":
-            given["response_format"] = {"json": ((self.response_format.get("json_schema") or {}).get("schema"))}
-            if given["response_format"]["json"] is None:
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or spec.get("schema") is None:
                 raise InvalidRequestError("response_format json_schema needs json_schema.schema", "response_format")
+            given["response_format"] = {"json": spec["schema"]}
         elif kind != "text":
             message = f"response_format type {kind!r} is not text, json_object or json_schema"
             raise InvalidRequestError(message, "response_format")
         for name in ("json", "regex", "choice", "grammar"):
             if (value := getattr(self, f"guided_{name}")) is not None:
                 given[f"guided_{name}"] = {name: value}
-        if self.structured_outputs:
+        if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs
         return given
 

@@ -129,9 +129,9 @@ class OpenAIServing:
         choices = []
         for p, final in enumerate(finals):
             for completion in final.outputs:
-                sent = self._completion_sent(request, prompts[p])
+                sent = self._completion_sent(request, prompts[p], params)
                 choice = self._completion_choice(request, p * params.n + completion.index, sent, completion, final)
-                choice.prompt_token_ids = prompts[p].token_ids if request.return_token_ids else None
+                choice.prompt_token_ids = final.prompt_token_ids if request.return_token_ids else None
                 choice.prompt_logprobs = _prompt_logprobs(final, request.prompt_logprobs)
                 choices.append(choice)
         body = CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=_usage(finals))
@@ -152,7 +152,7 @@ class OpenAIServing:
             for completion in output.outputs:
                 index = p * params.n + completion.index
                 if index not in sent:
-                    sent[index] = self._completion_sent(request, prompts[p])
+                    sent[index] = self._completion_sent(request, prompts[p], params)
                 choice = self._completion_choice(request, index, sent[index], completion, output)
                 if choice is not None:
                     usage = _usage([f for f in finals if f is not None]) if request.continuous_usage else None
@@ -160,13 +160,14 @@ class OpenAIServing:
         if request.include_usage:
             yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(finals))
 
-    def _completion_sent(self, request: CompletionRequest, prompt: _Prompt) -> _Sent:
-        """A choice's `_Sent` before its first news: with `echo`, the prompt to send first (and its tokens)."""
+    def _completion_sent(self, request: CompletionRequest, prompt: _Prompt, params: SamplingParams) -> _Sent:
+        """A choice's `_Sent` before its first news: with `echo`, the prompt to send first (and its tokens), as the
+        request runs it (truncate_prompt_tokens)."""
         if not request.echo:
             return _Sent()
-        return _Sent(
-            echo=self._prompt_text(prompt), echo_tokens=prompt.token_ids if request.logprobs is not None else None
-        )
+        ran = self.engine.truncated(prompt.token_ids, params)
+        text = self._prompt_text(prompt) if len(ran) == len(prompt.token_ids) else self.engine.tokenizer.decode(ran)
+        return _Sent(echo=text, echo_tokens=ran if request.logprobs is not None else None)
 
     def _completion_choice(
         self, request: CompletionRequest, index: int, sent: _Sent, completion: CompletionOutput, output: RequestOutput
@@ -243,7 +244,7 @@ class OpenAIServing:
             model=self.served_model_name,
             choices=choices,
             usage=_usage([final]),
-            prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
             prompt_logprobs=_prompt_logprobs(final, request.prompt_logprobs),
         )
         return _json(body)
