@@ -284,7 +284,7 @@ class EngineCore:
             if seq.status is FINISHED:  # aborted, or stopped by an earlier token: this one is dropped
                 output.skipped.add(row)
                 continue
-            if position == seq.num_prompt_tokens and seq.params.prompt_logprobs is not None:
+            if position == seq.num_prompt_tokens and seq.params.prompt_logprobs is not None and seq.index == 0:
                 output.prompt_scores[row] = seq.prompt_scores or SampledTokens([], [], [], [])
                 seq.prompt_scores = None
             seq.token_ids[position] = token

@@ -65,7 +65,8 @@ class Sequence:
         self.stops_on = frozenset(params.stop_token_ids).union(() if params.ignore_eos else eos_token_ids)
         # prompt_logprobs: positions p < num_prompt_tokens - 1 whose logits score token p + 1. Those up to
         # num_prompt_scored have been sent to be computed; their scores gather here until the first token goes out.
-        self.scores_prompt = params.prompt_logprobs is not None and self.num_prompt_tokens > 1
+        # The request's first sample scores its prompt for all of them (the others may take it from the prefix cache).
+        self.scores_prompt = params.prompt_logprobs is not None and self.num_prompt_tokens > 1 and index == 0
         self.num_prompt_scored = 0
         self.prompt_scores: SampledTokens | None = None
         self.matcher = None  # structured outputs: the grammar's state (an xgrammar GrammarMatcher)
