@@ -158,12 +158,10 @@ class _SamplingFields(_Request):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", "stream_options")
         if (own := self.prompt_logprobs) is not None:
-            if own < 0:
-                raise InvalidRequestError(f"prompt_logprobs must be >= 0, got {own}", "prompt_logprobs")
             if self.stream and own > 0:  # as vLLM: 0 streams, and returns nothing
                 raise InvalidRequestError("prompt_logprobs are not available with stream=true", "prompt_logprobs")
-            if not self.stream:
-                prompt_logprobs = max(prompt_logprobs or 0, own)
+            if own < 0 or not self.stream:  # a negative one goes through for SamplingParams to refuse
+                prompt_logprobs = own if own < 0 else max(prompt_logprobs or 0, own)
         return with_defaults(
             defaults,
             n=self.n,
