@@ -29,7 +29,13 @@ from atom_runtime.engine_core import EngineCore, EngineStats, StepOutput
 from atom_runtime.metrics import Metrics
 from atom_runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atom_runtime.sampler import SampledTokens
-from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, tokenize_bad_words, with_defaults
+from atom_runtime.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutputsParams,
+    tokenize_bad_words,
+    with_defaults,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -213,13 +219,21 @@ class AsyncEngine:
             return prompt_token_ids
         return prompt_token_ids[-(self.max_model_len if k == -1 else k) :]
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    async def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError for a request the engine would refuse. A structured output's constraint is
+        compiled here too, so that a bad one is a 400 before a response starts: on the tokenizer's thread (xgrammar
+        lets go of the GIL), as a schema over a large vocabulary takes tens to hundreds of ms of the event loop."""
         self.limits.check(self.truncated(prompt_token_ids, params), params)
-        if params.structured_outputs is not None:  # here too, so that a bad one is a 400 before a response starts
-            if self._grammars is None:
-                stop = {self.tokenizer.eos_token_id} - {None}
-                self._grammars = structured_outputs.Grammars(self.tokenizer, self.limits.vocab_size, stop)
-            self._grammars.compile(params.structured_outputs)
+        if params.structured_outputs is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, self._compile_grammar, params.structured_outputs
+            )
+
+    def _compile_grammar(self, constraint: StructuredOutputsParams) -> None:
+        if self._grammars is None:
+            stop = {self.tokenizer.eos_token_id} - {None}
+            self._grammars = structured_outputs.Grammars(self.tokenizer, self.limits.vocab_size, stop)
+        self._grammars.compile(constraint)
 
     async def generate(
         self,
@@ -248,7 +262,7 @@ class AsyncEngine:
         if params.bad_words and params.bad_words_token_ids is None:  # the core speaks token ids
             encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
             params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words, encode))
-        self.validate(prompt_token_ids, params)
+        await self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")

@@ -90,6 +90,8 @@ def serve_core(core: EngineCore, commands: Any, post: Post) -> None:
                 output = core.step()
                 if output is not None:
                     post(("step", output, dataclasses.replace(core.stats)))
+                while core.rejected:
+                    post(("rejected", *core.rejected.pop(0)))
             else:  # commands only (an abort, a call): no step follows to report what they changed
                 post(("stats", dataclasses.replace(core.stats)))
         post(("stopped",))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -22,9 +24,14 @@ from atom_runtime.sampling_params import InvalidRequestError, SamplingParams
 from atom_runtime.scheduler import ScheduledChunk, Scheduler
 from atom_runtime.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    import xgrammar
+
 logger = logging.getLogger(__name__)
 
 FINISHED = SequenceStatus.FINISHED
+# With nothing to step but grammars compiling, how long the step loop waits for one before it takes commands again.
+GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass
@@ -144,6 +151,11 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = tokenizer
         self._grammars: structured_outputs.Grammars | None = None
+        # Requests whose grammar compiles on a thread of its own (xgrammar releases the GIL), off the step loop: a
+        # schema over a large vocabulary takes tens to hundreds of ms, which would stall every running sequence.
+        self._grammar_thread: ThreadPoolExecutor | None = None
+        self._compiling: dict[str, Future] = {}
+        self.rejected: list[tuple[str, InvalidRequestError]] = []  # requests refused after `add_request` returned
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -174,27 +186,56 @@ class EngineCore:
             Sequence(request_id, i, prompt_token_ids, params, self.max_model_len, self.eos_token_ids)
             for i in range(params.n)
         ]
-        if params.structured_outputs is not None:
-            for seq in seqs:
-                seq.matcher = self.grammars().matcher(params.structured_outputs)
-        self.sequences[request_id] = seqs
-        for seq in seqs:
-            self.scheduler.add(seq)
-
-    def grammars(self) -> structured_outputs.Grammars:
-        """The structured outputs' compiler (made on the first request that needs it)."""
-        if self._grammars is None:
+        if params.structured_outputs is not None:  # scheduled once its grammar has compiled (`_admit_compiled`)
             if self.tokenizer is None:
                 raise InvalidRequestError("structured outputs need the engine's tokenizer", "structured_outputs")
+            if self._grammar_thread is None:
+                self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar")
+            self._compiling[request_id] = self._grammar_thread.submit(self._compile, params)
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        self.sequences[request_id] = seqs
+
+    def _compile(self, params: SamplingParams) -> xgrammar.CompiledGrammar:
+        """On the grammar thread: the compiler is made there too, by the first request that needs it."""
+        if self._grammars is None:
             vocab = self.runner.model.config.vocab_size
             self._grammars = structured_outputs.Grammars(self.tokenizer, vocab, self.eos_token_ids)
-        return self._grammars
+        return self._grammars.compile(params.structured_outputs)
+
+    def _admit_compiled(self, wait_s: float) -> None:
+        """Schedule the requests whose grammar has compiled, waiting up to `wait_s` for one; refuse those whose grammar
+        failed (the engine's front end compiles it first, so a refusal here is the core's own trouble)."""
+        if wait_s:
+            wait(self._compiling.values(), timeout=wait_s, return_when=FIRST_COMPLETED)
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            seqs = [seq for seq in self.sequences[request_id] if not seq.finished]  # (not aborted meanwhile)
+            try:
+                grammar = future.result()
+            except InvalidRequestError as error:
+                for seq in seqs:
+                    seq.status, seq.finish_reason = FINISHED, "abort"
+                del self.sequences[request_id]
+                self.rejected.append((request_id, error))
+                continue
+            for seq in seqs:
+                seq.matcher = self._grammars.new_matcher(grammar)
+                self.scheduler.add(seq)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stop a request (or one of its samples) and free its blocks; unknown ids are ignored."""
         for seq in self.sequences.get(request_id, []):
             if (index is None or seq.index == index) and not seq.finished:
-                self.scheduler.finish(seq, "abort")
+                if request_id in self._compiling:  # not scheduled yet
+                    seq.status, seq.finish_reason = FINISHED, "abort"
+                else:
+                    self.scheduler.finish(seq, "abort")
+        if request_id in self._compiling and all(seq.finished for seq in self.sequences[request_id]):
+            self._compiling.pop(request_id).cancel()
         self._forget_if_done(request_id)
         self._refresh_stats()  # no step may follow to do it, and the freed blocks must show
 
@@ -204,7 +245,7 @@ class EngineCore:
             del self.sequences[request_id]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.in_flight is not None
+        return self.scheduler.has_work() or self.in_flight is not None or bool(self._compiling)
 
     def step(self) -> StepOutput | None:
         """Queue the next step on the device, then finish the previous one while it runs.
@@ -219,6 +260,8 @@ class EngineCore:
         """
         started = time.perf_counter()
         output = None
+        if self._compiling:  # with nothing else to step, wait a little for a grammar rather than spin
+            self._admit_compiled(0.0 if self.scheduler.has_work() or self.in_flight else GRAMMAR_WAIT_S)
         if self.in_flight is not None and self.in_flight.needs_host_tokens:
             output = self._finish_in_flight()
         scheduled = time.perf_counter()
@@ -329,7 +372,7 @@ class EngineCore:
     def _refresh_stats(self) -> None:
         s = self.stats
         s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
+        s.num_waiting = len(self.scheduler.waiting) + sum(len(self.sequences[r]) for r in self._compiling)
         s.kv_usage = self.block_manager.usage
         s.prefix_cache_queries = self.block_manager.prefix_queries
         s.prefix_cache_hits = self.block_manager.prefix_hits

@@ -50,9 +50,6 @@ class Grammars:
             message = reason[0] if reason else type(error).__name__
             raise InvalidRequestError(f"structured outputs: invalid {kind}: {message}", "structured_outputs") from None
 
-    def matcher(self, params: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
-        return self.new_matcher(self.compile(params))
-
 
 def apply_masks(logits: Tensor, matchers: list[Any]) -> None:
     """Each row's matcher's allowed next tokens, in place: the others' logits to -inf (rows without one untouched)."""

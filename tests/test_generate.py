@@ -368,6 +368,58 @@ def test_chat_with_a_template_of_its_own(llm, tmp_path):
         llm.chat(messages, params, chat_template="missing.jinja")
 
 
+def test_grammar_compiles_off_the_step_loop(tiny_llama, monkeypatch):
+    """A structured output's grammar compiles on a thread of its own: the other requests keep stepping meanwhile;
+    the request is scheduled once it has compiled, can be aborted while it compiles, and a grammar the core fails to
+    compile refuses its request (`rejected`) without stopping the others."""
+    import threading
+
+    from atom_runtime.config import EngineConfig
+    from atom_runtime.loading import create_core
+    from atom_runtime.sampling_params import InvalidRequestError
+
+    core, _ = create_core(tiny_llama, device="cpu", config=EngineConfig(block_size=4))
+    release = threading.Event()
+    compile_grammar = core._compile
+
+    def slow_compile(params):
+        release.wait(30)
+        if params.structured_outputs.regex == "refused":
+            raise InvalidRequestError("structured outputs: invalid regex: refused", "structured_outputs")
+        return compile_grammar(params)
+
+    monkeypatch.setattr(core, "_compile", slow_compile)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex="ab"))
+    core.add_request("plain", [1, 2, 3], plain)
+    core.add_request("constrained", [4, 5], constrained)
+    core.add_request("aborted", [4, 5], constrained)
+    core.add_request("refused", [4, 5], SamplingParams(structured_outputs=StructuredOutputsParams(regex="refused")))
+    core.abort("aborted")
+    tokens: dict[str, list[int]] = {}
+
+    def collect(output) -> None:
+        for row, (request_id, token) in enumerate(
+            zip(output.request_ids, output.token_ids, strict=True) if output else ()
+        ):
+            if row not in output.skipped:
+                tokens.setdefault(request_id, []).append(token)
+
+    for _ in range(20):  # "plain" runs to its end while the grammars compile
+        collect(core.step())
+    assert set(tokens) == {"plain"} and len(tokens["plain"]) == 6
+    assert core.has_work() and core.stats.num_waiting == 2  # "constrained" and "refused", compiling
+    release.set()
+    while core.has_work():
+        collect(core.step())
+    assert core.tokenizer.decode(tokens["constrained"], skip_special_tokens=True) == "ab"
+    assert "aborted" not in tokens and "aborted" not in core.sequences
+    assert [(request_id, str(error)) for request_id, error in core.rejected] == [
+        ("refused", "structured outputs: invalid regex: refused")
+    ]
+    assert not core.sequences
+
+
 def test_structured_outputs(llm):
     """vLLM's StructuredOutputsParams: a random model's sampled output still matches a JSON schema, a regex, a
     choice, an EBNF grammar (seeded: the same draws each run); a complete constraint ends the sequence ("stop") even

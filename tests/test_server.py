@@ -468,9 +468,22 @@ def test_logit_bias_and_allowed_token_ids(http):
         assert set(choice["token_ids"]) <= set(allowed)
 
 
-def test_structured_outputs(client, http):
+def test_structured_outputs(client, http, monkeypatch):
     """OpenAI's response_format (a JSON schema, any JSON object) and vLLM's structured_outputs / guided_* fields: a
-    random model's sampled output still matches (seeded: each run draws the same)."""
+    random model's sampled output still matches (seeded: each run draws the same). The server checks each constraint
+    by compiling it off its event loop (a large vocabulary's schema takes ~0.1 s)."""
+    import threading
+
+    from atom_runtime import structured_outputs
+
+    compiled_on = set()
+    compile_grammar = structured_outputs.Grammars.compile
+
+    def compile_and_note(grammars, params):
+        compiled_on.add(threading.current_thread().name.split("_")[0])
+        return compile_grammar(grammars, params)
+
+    monkeypatch.setattr(structured_outputs.Grammars, "compile", compile_and_note)
     schema = {
         "type": "object",
         "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -507,6 +520,7 @@ def test_structured_outputs(client, http):
         extra_body={"guided_choice": ["alpha", "beta"]},
     )
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) in ("alpha", "beta")
+    assert compiled_on == {"atom-tokenizer"}
 
 
 def test_64_concurrent_streams_equal_serial(client, server):

@@ -119,7 +119,7 @@ class OpenAIServing:
         try:
             params = request.sampling_params(self.engine.sampling_defaults)
             prompts = [await self._prompt(p) for p in request.prompts()]
-            outputs = self._generate(prompts, params, request_id, request.stream)
+            outputs = await self._generate(prompts, params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = request.field_of(error.param)
             raise
@@ -219,7 +219,7 @@ class OpenAIServing:
                 request.add_generation_prompt,
                 request.continue_final_message,
             )
-            outputs = self._generate([prompt], params, request_id, request.stream)
+            outputs = await self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = request.field_of(error.param)
             raise
@@ -374,14 +374,14 @@ class OpenAIServing:
     def _prompt_text(self, prompt: _Prompt) -> str:
         return prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
 
-    def _generate(
+    async def _generate(
         self, prompts: list[_Prompt], params: SamplingParams, request_id: str, stream: bool
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Checks every prompt now (so errors come before a response starts), then runs them all."""
         if not self.engine.is_healthy:
             raise EngineDeadError("the engine has stopped; see the server log")
         for prompt in prompts:
-            self.engine.validate(prompt.token_ids, params)
+            await self.engine.validate(prompt.token_ids, params)
         return _merge(
             [
                 self.engine.generate(
