@@ -25,7 +25,7 @@ from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from atom_runtime.sampler import DeviceSample, Sampler, on_device, with_logprobs
-from atom_runtime.scheduler import ScheduledChunk
+from atom_runtime.scheduler import PROMPT_LOGPROB_ROWS, ScheduledChunk
 from atom_runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,9 @@ class ModelRunner:
         return int(used * 1.2) + (2 << 20) * graphs
 
     def profile_run(self) -> None:
-        """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory."""
+        """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory; with as many logits
+        rows as a step may return (a sampled token a sequence and PROMPT_LOGPROB_ROWS scored prompt positions: fp32,
+        a vocabulary wide: 0.6 GB for 1024 rows of a 152 k vocabulary) and their scoring's log-softmax."""
         tokens = self.config.max_num_batched_tokens
         seq_len = min(tokens, self.max_model_len)
         num_seqs = -(-tokens // seq_len)
@@ -203,15 +205,19 @@ class ModelRunner:
             seq_lens=self._tensor(lens, torch.int32),
             query_start_loc=self._tensor(np.concatenate([[0], np.cumsum(lens)]), torch.int32),
         )
+        rows = min(tokens, self.config.max_num_seqs + PROMPT_LOGPROB_ROWS)
+        scored = min(rows, PROMPT_LOGPROB_ROWS)
         with torch.inference_mode():
-            self.model.forward(
+            logits = self.model.forward(
                 self._tensor(np.zeros(tokens), torch.int64),
                 self._tensor(positions, torch.int64),
                 [cache] * self.num_layers,
                 meta,
-                self._tensor(np.cumsum(lens) - 1, torch.int64),
+                self._tensor(np.arange(rows) * tokens // rows, torch.int64),
             )
-        del cache
+            targets = torch.zeros(scored, dtype=torch.long, device=self.device)
+            with_logprobs(logits[-scored:], targets, self.config.max_logprobs)
+        del cache, logits
 
     def _tensor(self, values, dtype: torch.dtype) -> Tensor:
         return torch.as_tensor(np.asarray(values), dtype=dtype).to(self.device)

@@ -56,6 +56,21 @@ def test_padded_decode_step_equals_unpadded(runner):
         block_manager.free(seq)
 
 
+def test_profile_run_holds_the_most_logits_a_step_returns(runner, monkeypatch):
+    """The KV budget is what is left after the profile step's peak: it computes a logits row for every sequence a
+    step may sample and every prompt position it may score (prompt_logprobs), and scores them."""
+    from atom_runtime import model_runner
+    from atom_runtime.scheduler import PROMPT_LOGPROB_ROWS
+
+    runner, _ = runner
+    scored = []
+    monkeypatch.setattr(model_runner, "with_logprobs", lambda logits, *_: scored.append(logits.shape))
+    runner.profile_run()
+    config = runner.config
+    rows = min(config.max_num_batched_tokens, config.max_num_seqs + PROMPT_LOGPROB_ROWS)
+    assert scored == [(min(rows, PROMPT_LOGPROB_ROWS), runner.model.config.vocab_size)]
+
+
 def test_capture_sizes_follow_config():
     assert EngineConfig(max_num_seqs=40).graph_capture_sizes() == [1, 2, 4, 8, 16, 32]
     assert EngineConfig(max_num_batched_tokens=40).piecewise_capture_sizes() == [1, 2, 4, 8, 16, 32]
