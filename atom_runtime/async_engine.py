@@ -351,6 +351,14 @@ class AsyncEngine:
             completion = state.completions[index]
             if completion.finish_reason is not None:
                 continue  # already ended by a stop string; the core has been told
+            if row in output.refused:  # ends without this token
+                if completion.detokenizer is not None:
+                    completion.detokenizer.flush()
+                completion.finish_reason, completion.stop_reason = finished[row]
+                ended.add(request_id)
+                state.metrics.num_cached_tokens = output.num_cached_tokens[row]
+                changed[request_id] = state
+                continue
             completion.token_ids.append(token)
             if completion.logprobs is not None and output.sampled.logprobs is not None:
                 entry = self._logprob_entry(output.sampled, row, state.params.logprobs, state.params.detokenize)

@@ -48,6 +48,8 @@ class StepOutput:
     token_ids: list[int]
     sampled: SampledTokens  # with the logprobs, for rows whose request asked for them
     skipped: set[int] = field(default_factory=set)  # rows whose sequence had already finished: no token
+    # rows whose sequence ends without their token: its structured output's grammar refused it (`abort`)
+    refused: set[int] = field(default_factory=set)
     finished: dict[int, tuple[str, int | None]] = field(default_factory=dict)  # row -> (finish_reason, stop_reason)
     # row -> its prompt's scores (prompt_logprobs: position p scores token p + 1), with the sequence's first token
     prompt_scores: dict[int, SampledTokens] = field(default_factory=dict)
@@ -339,6 +341,8 @@ class EngineCore:
                 or grammar is not False
             ):
                 output.finished[row] = self._stop(seq, token, num_tokens, grammar)
+                if output.finished[row][0] == "abort":
+                    output.refused.add(row)
         return output
 
     @staticmethod
@@ -358,8 +362,9 @@ class EngineCore:
         `structured_outputs.accept`); returns (finish_reason, stop_reason)."""
         if token in seq.stops_on and num_tokens > seq.min_num_tokens:
             reason, stop_reason = "stop", token if token in seq.params.stop_token_ids else None
-        elif grammar is None:
+        elif grammar is None:  # the token is not the sequence's
             reason, stop_reason = "abort", None
+            num_tokens -= 1
         elif grammar:
             reason, stop_reason = "stop", None
         else:

@@ -453,10 +453,15 @@ def test_structured_outputs(llm):
     assert out.text == "ab" and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="invalid regex"):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
-    # allowed_token_ids that leave nothing the grammar allows: that sequence ends ("abort"), the engine goes on
+    # allowed_token_ids that leave nothing the grammar allows: that sequence ends ("abort") without the token the
+    # grammar refused, the engine goes on
     z = llm.tokenizer.encode("z", add_special_tokens=False)
     stuck = SamplingParams(allowed_token_ids=z, structured_outputs=StructuredOutputsParams(choice=["yes"]))
-    assert llm.generate("x", stuck)[0].outputs[0].finish_reason == "abort"
+    out = llm.generate("x", stuck)[0].outputs[0]
+    assert (out.finish_reason, out.token_ids, out.text) == ("abort", [], "")
+    stuck_later = SamplingParams(allowed_token_ids=z, structured_outputs=StructuredOutputsParams(regex="z[ab]"))
+    out = llm.generate("x", stuck_later)[0].outputs[0]  # "z", then nothing allowed is left
+    assert (out.finish_reason, out.text) == ("abort", "z")
     min_tokens = SamplingParams(min_tokens=5, max_tokens=9, structured_outputs=StructuredOutputsParams(choice=["no"]))
     assert llm.generate("x", min_tokens)[0].outputs[0].text == "no"  # where the grammar allows nothing else
     eager_end = {llm.tokenizer.eos_token_id: 100.0}  # EOS as soon as the grammar allows it, but min_tokens first
