@@ -24,8 +24,10 @@ from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from atom_runtime.sampler import DeviceSample, Sampler, on_device, with_logprobs
+from atom_runtime.sampler import DeviceSample, Draws, Sampler, on_device, with_logprobs
+from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.scheduler import PROMPT_LOGPROB_ROWS, ScheduledChunk
+from atom_runtime.sequence import Sequence
 from atom_runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -217,7 +219,25 @@ class ModelRunner:
             )
             targets = torch.zeros(scored, dtype=torch.long, device=self.device)
             with_logprobs(logits[-scored:], targets, self.config.max_logprobs)
+            self._profile_sampler(logits[: min(rows, self.config.max_num_seqs)])
         del cache, logits
+
+    def _profile_sampler(self, logits: Tensor) -> None:
+        """The sampler's costliest path over a step's sampled rows, for its temporaries (copies of the logits,
+        penalty counts, top-p's sort: several times the logits): penalties, a logit bias, top-k, top-p, min-p and
+        logprobs on every row."""
+        rows = logits.shape[0]
+        params = SamplingParams(
+            top_k=50,
+            top_p=0.9,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            logit_bias={0: 1.0},
+            logprobs=self.config.max_logprobs,
+        )
+        seqs = [Sequence(str(row), 0, [0], params) for row in range(rows)]
+        zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.sampler(logits, seqs, Draws(torch.ones(rows, device=self.device), zeros, zeros.int()))
 
     def _tensor(self, values, dtype: torch.dtype) -> Tensor:
         return torch.as_tensor(np.asarray(values), dtype=dtype).to(self.device)

@@ -58,17 +58,26 @@ def test_padded_decode_step_equals_unpadded(runner):
 
 def test_profile_run_holds_the_most_logits_a_step_returns(runner, monkeypatch):
     """The KV budget is what is left after the profile step's peak: it computes a logits row for every sequence a
-    step may sample and every prompt position it may score (prompt_logprobs), and scores them."""
+    step may sample and every prompt position it may score (prompt_logprobs), scores them, and samples the rows
+    through the sampler's costliest path (every filter, penalties, a logit bias, logprobs)."""
     from atom_runtime import model_runner
     from atom_runtime.scheduler import PROMPT_LOGPROB_ROWS
 
     runner, _ = runner
-    scored = []
+    scored, sampled = [], []
     monkeypatch.setattr(model_runner, "with_logprobs", lambda logits, *_: scored.append(logits.shape))
+    sampler = runner.sampler
+    monkeypatch.setattr(
+        runner, "sampler", lambda logits, seqs, *args: sampled.append(seqs) or sampler(logits, seqs, *args)
+    )
     runner.profile_run()
-    config = runner.config
+    config, vocab = runner.config, runner.model.config.vocab_size
     rows = min(config.max_num_batched_tokens, config.max_num_seqs + PROMPT_LOGPROB_ROWS)
-    assert scored == [(min(rows, PROMPT_LOGPROB_ROWS), runner.model.config.vocab_size)]
+    assert scored == [(min(rows, PROMPT_LOGPROB_ROWS), vocab)]
+    (seqs,) = sampled
+    params = seqs[0].params
+    assert len(seqs) == min(rows, config.max_num_seqs)
+    assert params.needs_penalties and params.shapes_logits and params.filters and params.logprobs
 
 
 def test_capture_sizes_follow_config():
