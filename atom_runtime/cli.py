@@ -1,6 +1,7 @@
 """`atom-run`: serve a model over HTTP, or generate once from the command line.
 
-    atom-run serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name NAME] [engine flags]
+    atom-run serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name NAME]
+                   [--enable-auto-tool-choice --tool-call-parser hermes] [engine flags]
     atom-run generate [MODEL] (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--stop TEXT]... [--json]
         [engine flags]
 
@@ -24,6 +25,7 @@ import uvloop
 
 from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
 from atom_runtime.sampling_params import SamplingParams, with_defaults
+from atom_runtime.server.tool_calls import TOOL_CALL_PARSERS
 
 # The engine, the server and the demo model's export import torch (~3 s): `main` imports them after the flags parse,
 # so --help and bad flags answer at once.
@@ -93,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", help="a Jinja chat template, or its file, instead of the model's (for /v1/chat/completions)"
     )
     serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"), with --tool-call-parser reading its calls',
+    )
+    serve.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the tool-call format the model writes (Hermes, Qwen)"
+    )
+    serve.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     serve.add_argument(
@@ -130,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.model is not None and not args.model.exists():
         parser.error(f"model directory {str(args.model)!r} does not exist")
+    if args.command == "serve" and args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:
         if args.command == "serve":  # before the model loads (or the demo model exports), and before torch imports
             check_listen_address(args.host, args.port)

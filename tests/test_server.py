@@ -468,6 +468,149 @@ def test_logit_bias_and_allowed_token_ids(http):
         assert set(choice["token_ids"]) <= set(allowed)
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def assert_call(name: str, arguments: str) -> None:
+    """A call of WEATHER or CLOCK with arguments its schema allows."""
+    value = json.loads(arguments)
+    assert (name, value) in [("get_weather", {"city": c}) for c in ("Paris", "Rome")] + [
+        ("get_time", {"zone": z}) for z in ("UTC", "CET")
+    ], (name, arguments)
+
+
+def streamed_calls(chunks) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish_reason) of a streamed choice 0, from its deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:  # a call's first delta: its id, type and name
+                    assert call.type == "function" and call.index not in calls
+                    calls[call.index] = [call.function.name, ""]
+                calls[call.index][1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_choice_named_and_required(client):
+    """A named function and tool_choice "required" constrain the output to a call (as vLLM does, a JSON schema):
+    the response carries tool_calls, whole or streamed (a named call's arguments as they come)."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], max_tokens=300, seed=1)
+    chat = client.chat.completions.create(**kwargs, tool_choice=named)
+    message = chat.choices[0].message
+    assert message.content is None and chat.choices[0].finish_reason == "stop"
+    (call,) = message.tool_calls
+    assert call.id.startswith("chatcmpl-tool-") and call.function.name == "get_time"
+    assert_call(call.function.name, call.function.arguments)
+    content, calls, finish = streamed_calls(client.chat.completions.create(**kwargs, tool_choice=named, stream=True))
+    assert content == "" and finish == "stop" and [name for name, _ in calls] == ["get_time"]
+    assert_call(*calls[0])
+    chat = client.chat.completions.create(**kwargs, tool_choice="required", n=2, parallel_tool_calls=False)
+    for choice in chat.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert_call(choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments)
+    # (a random model under a JSON schema writes whitespace freely: room for it)
+    streamed = client.chat.completions.create(**kwargs | {"max_tokens": 900}, tool_choice="required", stream=True)
+    content, calls, finish = streamed_calls(streamed)
+    assert content == "" and finish == "tool_calls" and calls
+    for call in calls:
+        assert_call(*call)
+
+
+@pytest.fixture(scope="module")
+def tool_http(engine):
+    """A server on the same engine started as `--enable-auto-tool-choice --tool-call-parser hermes`."""
+    server = ServerThread(build_app(engine, MODEL, api_key=API_KEY, tool_call_parser="hermes"))
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        yield http
+    server.stop()
+
+
+def test_tool_choice_auto_reads_hermes_calls(tool_http):
+    """With tool_choice "auto" the model may call: the hermes parser finds `<tool_call>{...}</tool_call>` in its
+    text (forced here with a regex, as a random model never writes one), whole and streamed, and leaves text without
+    one as content."""
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER, CLOCK], "max_tokens": 200, "seed": 3}
+    answer = tool_http.post(CHAT, json=body | {"guided_regex": "Sure[.] " + call}).json()
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    (made,) = choice["message"]["tool_calls"]
+    assert made["type"] == "function" and made["id"].startswith("chatcmpl-tool-")
+    assert_call(made["function"]["name"], made["function"]["arguments"])
+    with tool_http.stream("POST", CHAT, json=body | {"guided_regex": call + call, "stream": True}) as response:
+        chunks = [
+            openai.types.chat.ChatCompletionChunk(**json.loads(line[6:]))
+            for line in response.iter_lines()
+            if line.startswith("data: {")
+        ]
+    content, calls, finish = streamed_calls(chunks)
+    assert content == "" and finish == "tool_calls" and len(calls) == 2
+    for made in calls:
+        assert_call(*made)
+    plain = tool_http.post(CHAT, json=body | {"guided_choice": ["no call needed"]}).json()["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "no call needed", "tool_calls": []}
+    assert plain["finish_reason"] == "stop"
+
+
+def test_tools_and_tool_history_reach_the_chat_template(http, engine, monkeypatch):
+    """The offered tools, an assistant turn's calls (their arguments as an object) and tool answers are the chat
+    template's to write, as vLLM gives them."""
+    template = (
+        "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
+        "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}"
+    )
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    tokens = http.post(
+        "/tokenize", json={"messages": history, "tools": [WEATHER, CLOCK], "add_generation_prompt": False}
+    )
+    expected = "get_weather;get_time;user:Weather in Paris?|assistant:[get_weather Paris]|tool:sunny(c1)|"
+    assert tokens.json()["tokens"] == engine.tokenizer(expected, add_special_tokens=False)["input_ids"]
+    chat = http.post(CHAT, json={"messages": history, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["tool_calls"] == []
+
+
 def test_structured_outputs(client, http, monkeypatch):
     """OpenAI's response_format (a JSON schema, any JSON object) and vLLM's structured_outputs / guided_* fields: a
     random model's sampled output still matches (seeded: each run draws the same). The server checks each constraint
@@ -603,6 +746,7 @@ def test_non_stream_disconnect_frees_blocks(server, engine):
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_CHAT = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+TOOL_CALL_NOT_JSON = {"name": "f", "arguments": "{not json"}
 BAD_REQUESTS = {
     "malformed json": (COMPLETIONS, b'{"prompt": "hi",', 400, None),
     "not an object": (COMPLETIONS, b"[1, 2]", 400, None),
@@ -665,22 +809,34 @@ BAD_REQUESTS = {
     "min_tokens > max_tokens": (COMPLETIONS, {"prompt": "hi", "min_tokens": 10, "max_tokens": 4}, 400, "min_tokens"),
     "repetition_penalty 0": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
     "repetition_penalty 1e39": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1e39}, 400, "repetition_penalty"),
+    # tools: "auto" (the default with tools) needs a server started with --enable-auto-tool-choice
+    "tools": (CHAT, {"messages": OK_CHAT, "tools": [TOOL]}, 400, "tool_choice"),
+    "tools, auto": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "auto"}, 400, "tool_choice"),
+    "tool_choice required without tools": (CHAT, {"messages": OK_CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    "tool_choice an unknown function": (
+        CHAT,
+        {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
+        "tool_choice",
+    ),
+    "tool_choice and response_format": (
+        CHAT,
+        {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        400,
+        "tool_choice",
+    ),
+    "a tool call's arguments not JSON": (
+        CHAT,
+        {
+            "messages": [
+                *OK_CHAT,
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": TOOL_CALL_NOT_JSON}]},
+            ]
+        },
+        400,
+        "messages",
+    ),
     # known features this server does not implement: refused by name, never silently ignored
-    "tools": (CHAT, {"messages": OK_CHAT, "tools": [TOOL]}, 400, "tools"),
-    "tools, auto": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "auto"}, 400, "tools"),
-    "tool_choice required": (
-        CHAT,
-        {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "required"},
-        400,
-        "tool_choice",
-    ),
-    "tool_choice a function": (
-        CHAT,
-        {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
-        400,
-        "tool_choice",
-    ),
-    "tools, none": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "none"}, 400, "tools"),
     "legacy functions": (CHAT, {"messages": OK_CHAT, "functions": [TOOL["function"]]}, 400, "functions"),
     "template kwargs that are arguments": (
         CHAT,
@@ -694,13 +850,17 @@ BAD_REQUESTS = {
         400,
         "continue_final_message",
     ),
-    "tool message": (CHAT, {"messages": [*OK_CHAT, {"role": "tool", "content": "42"}]}, 400, "messages"),
+    "tool message without content": (
+        CHAT,
+        {"messages": [*OK_CHAT, {"role": "tool", "tool_call_id": "c"}]},
+        400,
+        "messages",
+    ),
     "user message without content": (CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages"),
     "max_completion_tokens 0": (CHAT, {"messages": OK_CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     "empty stop string": (COMPLETIONS, {"prompt": "hi", "stop": ["x", ""]}, 400, "stop"),
     "seed beyond 64 bits": (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400, "seed"),
     "temperature beyond float32": (COMPLETIONS, {"prompt": "hi", "temperature": 1e39}, 400, "temperature"),
-    "tokenize with tools": ("/tokenize", {"messages": OK_CHAT, "tools": [TOOL]}, 400, "tools"),
     "chat echo": (CHAT, {"messages": OK_CHAT, "echo": True}, 400, "echo"),
     "beam search": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     "an empty bad word": (COMPLETIONS, {"prompt": "hi", "bad_words": ["x", " "]}, 400, "bad_words"),
@@ -815,6 +975,7 @@ def assert_still_serving(http: httpx.Client) -> None:
 
 NO_OP_FIELDS = {
     "tool_choice auto, no tools": (CHAT, {"messages": OK_CHAT, "tool_choice": "auto", "tools": []}),
+    "tools, none": (CHAT, {"messages": OK_CHAT, "tools": [TOOL], "tool_choice": "none"}),
     "text response_format": (CHAT, {"messages": OK_CHAT, "response_format": {"type": "text"}}),
     "empty logit_bias": (COMPLETIONS, {"prompt": "hi", "logit_bias": {}}),
     "best_of n": (COMPLETIONS, {"prompt": "hi", "n": 2, "best_of": 2}),

@@ -85,9 +85,11 @@ def build_app(
     api_key: str | None = None,
     torch_profiler_dir: str | Path | None = None,
     model_path: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """The app for one engine; the caller owns the engine (and shuts it down)."""
-    serving = OpenAIServing(engine, served_model_name)
+    """The app for one engine; the caller owns the engine (and shuts it down). `tool_call_parser`: tool_choice
+    "auto" is on, reading calls in that format."""
+    serving = OpenAIServing(engine, served_model_name, tool_call_parser)
     profiler = EngineProfiler(engine, torch_profiler_dir) if torch_profiler_dir is not None else None
     app = FastAPI(title="atom", summary="OpenAI-compatible LLM server")
     install_error_handlers(app)
@@ -184,6 +186,7 @@ def run_server(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         torch_profiler_dir=args.torch_profiler_dir,
         model_path=str(args.model),
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     server = uvicorn.Server(
         uvicorn.Config(

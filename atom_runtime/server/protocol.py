@@ -4,17 +4,19 @@ Requests are validated strictly (a string where a number belongs is an error, no
 and accept vLLM's extra sampling fields. Value ranges are checked by `SamplingParams` and
 the engine, which know the limits; these models only check shapes and types. A field the server
 does not know is ignored (and logged), as vLLM does; one it knows but does not implement, and
-that would change the output (tools, structured output, logit_bias, ...), is refused by name.
+that would change the output (beam search, logits processors, ...), is refused by name.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from atom_runtime.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams, with_defaults
+from atom_runtime.server.tool_calls import required_schema
 
 # Omit an optional field from the JSON when it is unset (extensions, usage of most stream chunks).
 _OMIT_NONE = dict(default=None, exclude_if=lambda value: value is None)
@@ -81,7 +83,6 @@ class _SamplingFields(_Request):
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -239,22 +240,80 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # an assistant turn of a client's history may carry none
     name: str | None = None
+    tool_calls: list[_ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
-    def template_input(self) -> dict[str, str]:
-        """The message as chat templates expect it: text parts joined with newlines, as vLLM does."""
-        if self.role == "tool":
-            _refuse("messages", "a tool message (function calling)")
+    def template_input(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text parts joined with newlines, a call's arguments as an
+        object (templates write them out themselves), as vLLM does."""
         if self.content is None and self.role != "assistant":
             raise InvalidRequestError(f"a {self.role} message needs content", "messages")
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
         return message
+
+
+def _arguments(call: _ToolCallIn) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequestError(f"tool call {call.id!r}: its arguments are not JSON", "messages") from None
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
+    """The tools as chat templates take them (OpenAI's shape)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: _FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -265,9 +324,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     # Passed to the chat template (Qwen3's enable_thinking, ...), as vLLM does.
     chat_template_kwargs: dict[str, Any] | None = None
-    # Function calling: refused unless no tool is offered and none is asked for.
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Function calling (`tool_calls`); the legacy `functions` / `function_call` are refused.
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     chat_template: str | None = None
@@ -279,18 +339,48 @@ class ChatCompletionRequest(_SamplingFields):
     PARAMS: ClassVar[dict[str, str]] = {"prompt": "messages", "logprobs": "top_logprobs"}
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **_SamplingFields.UNSUPPORTED,
-        "tools": "function calling",
-        "functions": "function calling",
+        "functions": "functions (the legacy function calling; use tools)",
+        "function_call": "function_call (the legacy function calling; use tool_choice)",
         "chat_template": "a request's own chat template",
         "echo": "echo in chat",
         "reasoning_effort": "reasoning effort",
     }
 
+    def tool_mode(self, auto_tools: bool) -> str:
+        """How the completion uses the tools: "none", "auto" (the model may call them; `auto_tools`: the server
+        parses calls), "required" (at least one call), or "named" (that function's)."""
+        choice = self.tool_choice
+        if not self.tools:  # (an empty list with "auto", as some clients send: nothing to call)
+            if choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+            return "none"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {tool.function.name for tool in self.tools}:
+                raise InvalidRequestError(
+                    f"tool_choice names {choice.function.name!r}, not one of tools", "tool_choice"
+                )
+            return "named"
+        choice = choice or "auto"
+        if choice == "auto" and not auto_tools:
+            message = '"auto" tool choice needs the server started with --enable-auto-tool-choice --tool-call-parser'
+            raise InvalidRequestError(message, "tool_choice")
+        return choice
+
+    def named_tool(self) -> FunctionDefinition:
+        return next(t.function for t in self.tools if t.function.name == self.tool_choice.function.name)
+
+    def _constraints(self) -> dict[str, dict]:
+        """A required or named tool choice is a structured output too: a call in JSON."""
+        given = super()._constraints()
+        if self.tools and self.tool_choice == "required":
+            tools = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
+            given["tool_choice"] = {"json": required_schema(tools, self.parallel_tool_calls is not False)}
+        elif self.tools and isinstance(self.tool_choice, NamedToolChoice):
+            given["tool_choice"] = {"json": self.named_tool().parameters or {"type": "object"}}
+        return given
+
     def sampling_params(self, defaults: dict) -> SamplingParams:
         """`defaults`: the model's sampling defaults (`AsyncEngine.sampling_defaults`)."""
-        for choice in ("tool_choice", "function_call"):
-            if getattr(self, choice) not in (None, "none", "auto"):
-                _refuse(choice, "function calling")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
@@ -314,7 +404,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False  # for messages: leave the last one open, for the model to continue
     add_special_tokens: bool = True  # for a prompt (a chat template writes its own)
     return_token_strs: bool = False
-    tools: list[Any] | None = None  # refused unless empty (function calling)
+    tools: list[ChatTool] | None = None  # for messages: given to the chat template
 
 
 class DetokenizeRequest(_Request):
@@ -404,14 +494,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(**_OMIT_NONE)
 
@@ -427,16 +518,31 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(**_OMIT_NONE)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(**_OMIT_NONE)
+    arguments: str | None = Field(**_OMIT_NONE)
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has the id, type and name, the rest add to its arguments."""
+
+    index: int
+    id: str | None = Field(**_OMIT_NONE)
+    type: Literal["function"] | None = Field(**_OMIT_NONE)
+    function: DeltaFunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(**_OMIT_NONE)
     content: str | None = Field(**_OMIT_NONE)
+    tool_calls: list[DeltaToolCall] | None = Field(**_OMIT_NONE)
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(**_OMIT_NONE)
 

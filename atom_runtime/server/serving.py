@@ -39,17 +39,23 @@ from atom_runtime.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DeltaFunctionCall,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
+    template_tools,
 )
+from atom_runtime.server.tool_calls import Call, HermesStream, parse_hermes, parse_required
 
 T = TypeVar("T")
 
@@ -106,10 +112,75 @@ class _Sent:
     echo_tokens: list[int] | None = None  # with `echo` and `logprobs`: the prompt's tokens, before the first logprobs
 
 
+class _ToolStream:
+    """One streamed choice's text as content and tool-call deltas, by its request's tool mode
+    (`ChatCompletionRequest.tool_mode`): a named function's arguments stream as they come; a required call's JSON
+    array goes out whole at the end; "auto" streams content and sends each call once it closes (`HermesStream`)."""
+
+    def __init__(self, mode: str, function: str | None):
+        self.mode, self.function = mode, function
+        self.hermes = HermesStream() if mode == "auto" else None
+        self.text = ""  # a required choice's, until it ends
+        self.calls = 0  # calls sent
+
+    def feed(self, text: str, finished: bool) -> tuple[str | None, list[DeltaToolCall]]:
+        if self.mode == "none":
+            return text or None, []
+        if self.mode == "named":
+            if self.calls:
+                return None, [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))] if text else []
+            return None, self._open([Call(self.function, text)])
+        if self.mode == "required":
+            self.text += text
+            if not finished:
+                return None, []
+            calls = parse_required(self.text)
+            return (self.text or None, []) if calls is None else (None, self._open(calls))
+        content, calls = self.hermes.feed(text)
+        if finished:
+            content += self.hermes.finish()
+        return content or None, self._open(calls)
+
+    def _open(self, calls: list[Call]) -> list[DeltaToolCall]:
+        deltas = [
+            DeltaToolCall(
+                index=self.calls + i,
+                id=c.id,
+                type="function",
+                function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+            )
+            for i, c in enumerate(calls)
+        ]
+        self.calls += len(calls)
+        return deltas
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """A choice that stopped after calling (auto or required) finishes with "tool_calls", as OpenAI's."""
+        return "tool_calls" if reason == "stop" and self.calls and self.mode in ("auto", "required") else reason
+
+
+def _tool_calls(mode: str, function: str | None, text: str, reason: str | None) -> tuple[str | None, list[Call], str]:
+    """(content, calls, finish_reason) of a whole choice, by its request's tool mode (see `_ToolStream`)."""
+    if mode == "named":
+        return None, [Call(function, text)], reason
+    if mode == "required":
+        content, calls = None, parse_required(text)
+    elif mode == "auto":
+        content, calls = parse_hermes(text)
+    else:
+        calls = None
+    if not calls:  # (a required call cut short by max_tokens: its text, as content)
+        return text, [], reason
+    return content, calls, "tool_calls" if reason == "stop" else reason
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, tool_call_parser: str | None = None):
+        """`tool_call_parser`: finds the calls in a completion that chose to make them (tool_choice "auto"; vLLM's
+        --enable-auto-tool-choice --tool-call-parser), None where the server does not offer that."""
         self.engine = engine
         self.served_model_name = served_model_name
+        self.tool_call_parser = tool_call_parser
 
     # ---- /v1/completions ---------------------------------------------------------------
 
@@ -212,29 +283,34 @@ class OpenAIServing:
         self.check_model(request.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
+            mode = request.tool_mode(self.tool_call_parser is not None)
             params = request.sampling_params(self.engine.sampling_defaults)
             prompt = await self._render_chat(
                 request.messages,
                 request.chat_template_kwargs,
                 request.add_generation_prompt,
                 request.continue_final_message,
+                template_tools(request.tools),
             )
             outputs = await self._generate([prompt], params, request_id, request.stream)
         except InvalidRequestError as error:  # name the field the client sent
             error.param = request.field_of(error.param)
             raise
+        function = request.named_tool().name if mode == "named" else None
         if request.stream:
-            return _sse(self._chat_chunks(request, request_id, params, outputs))
+            return _sse(self._chat_chunks(request, request_id, params, outputs, mode, function))
         (final,) = await _unless_disconnected(raw, _final_outputs(outputs, 1))
         choices = []
         for completion in final.outputs:
             delta = _advance(_Sent(), completion.index, completion, with_tokens=True)
+            content, calls, finish_reason = _tool_calls(mode, function, delta.text, delta.finish_reason)
+            tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
             choices.append(
                 ChatChoice(
                     index=completion.index,
-                    message=AssistantMessage(content=delta.text),
+                    message=AssistantMessage(content=content, tool_calls=tool_calls),
                     logprobs=self._chat_logprobs(delta, params),
-                    finish_reason=delta.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=delta.stop_reason,
                     token_ids=delta.token_ids if request.return_token_ids else None,
                 )
@@ -255,7 +331,11 @@ class OpenAIServing:
         request_id: str,
         params: SamplingParams,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
+        tool_mode: str,
+        function: str | None,
     ) -> AsyncIterator[BaseModel]:
+        """`tool_mode`, `function`: the request's use of tools (`_ToolStream`)."""
+
         def chunk(*choices: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=list(choices), usage=usage)
 
@@ -263,18 +343,21 @@ class OpenAIServing:
         for index in range(params.n):
             yield chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
         sent = [_Sent() for _ in range(params.n)]
+        streams = [_ToolStream(tool_mode, function) for _ in range(params.n)]
         with_tokens = params.logprobs is not None or request.return_token_ids
         final = None
         async for _, final in outputs:
             for completion in final.outputs:
                 delta = _advance(sent[completion.index], completion.index, completion, with_tokens)
                 if delta is not None:
+                    stream = streams[delta.index]
+                    content, tool_calls = stream.feed(delta.text, delta.finish_reason is not None)
                     yield chunk(
                         ChatChunkChoice(
                             index=delta.index,
-                            delta=Delta(content=delta.text or None),
+                            delta=Delta(content=content, tool_calls=tool_calls or None),
                             logprobs=self._chat_logprobs(delta, params),
-                            finish_reason=delta.finish_reason,
+                            finish_reason=stream.finish_reason(delta.finish_reason),
                             stop_reason=delta.stop_reason,
                             token_ids=delta.token_ids if request.return_token_ids else None,
                         ),
@@ -289,10 +372,11 @@ class OpenAIServing:
         template_kwargs: dict | None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> _Prompt:
         """The conversation through the model's chat template, ending where the assistant's turn begins (or, with
         `continue_final_message`, inside the last message); `template_kwargs` are the template's own variables
-        (Qwen3's enable_thinking, ...)."""
+        (Qwen3's enable_thinking, ...); `tools` the functions offered, as the template writes them."""
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidRequestError(
@@ -309,6 +393,7 @@ class OpenAIServing:
                 [m.template_input() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 tokenize=False,
                 **(template_kwargs or {}),
             )
@@ -334,14 +419,13 @@ class OpenAIServing:
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give a prompt or messages, not both or neither", "prompt")
-        if request.tools:
-            raise InvalidRequestError("tools: function calling is not supported by this server", "tools")
         if request.messages is not None:
             rendered = await self._render_chat(
                 request.messages,
                 request.chat_template_kwargs,
                 request.add_generation_prompt,
                 request.continue_final_message,
+                template_tools(request.tools),
             )
             tokens = rendered.token_ids
         else:

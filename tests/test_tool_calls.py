@@ -1,0 +1,55 @@
+"""Tool calls read from a completion's text (the hermes format), whole and streamed in any pieces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from atom_runtime.server.tool_calls import HermesStream, parse_hermes, parse_required, required_schema
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TEXTS = {
+    "plain text": ("Just text, < and <tool but no call.", "Just text, < and <tool but no call.", []),
+    "one call": (CALL, None, [("get_weather", {"city": "Paris"})]),
+    "text, then calls": (
+        "Let me check. " + CALL + "\n" + CALL.replace("Paris", "Rome"),
+        "Let me check.",
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})],
+    ),
+    "arguments as a string": (
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
+        None,
+        [("f", {"x": 1})],
+    ),
+    "not a call": ("<tool_call>{oops}</tool_call>", "<tool_call>{oops}</tool_call>", []),
+    "unclosed": ('Hm <tool_call>{"name": "f"', 'Hm <tool_call>{"name": "f"', []),
+}
+
+
+@pytest.mark.parametrize("case", TEXTS, ids=list(TEXTS))
+def test_hermes_calls_whole_and_streamed(case):
+    text, content, calls = TEXTS[case]
+    found_content, found = parse_hermes(text)
+    assert found_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in found] == calls
+    for size in (1, 2, 5, len(text)):  # streamed in pieces of every size: the same calls, the same content
+        stream, streamed, called = HermesStream(), "", []
+        for start in range(0, len(text), size):
+            piece, made = stream.feed(text[start : start + size])
+            streamed += piece
+            called += made
+        streamed += stream.finish()
+        assert [(c.name, json.loads(c.arguments)) for c in called] == calls
+        assert streamed.strip() == (content or "")
+
+
+def test_required_calls_schema_and_parse():
+    tools = [{"name": "a", "parameters": {"type": "object"}}, {"name": "b"}]
+    schema = required_schema(tools, parallel=False)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]] == [["a"], ["b"]]
+    assert "maxItems" not in required_schema(tools, parallel=True)
+    (call,) = parse_required('[{"name": "a", "parameters": {"k": [1, 2]}}]')
+    assert (call.name, json.loads(call.arguments)) == ("a", {"k": [1, 2]})
+    assert parse_required('[{"name": "a", "param') is None  # cut short by max_tokens
