@@ -838,6 +838,7 @@ BAD_REQUESTS = {
     ),
     # known features this server does not implement: refused by name, never silently ignored
     "legacy functions": (CHAT, {"messages": OK_CHAT, "functions": [TOOL["function"]]}, 400, "functions"),
+    "legacy function_call": (CHAT, {"messages": OK_CHAT, "function_call": {"name": "f"}}, 400, "function_call"),
     "template kwargs that are arguments": (
         CHAT,
         {"messages": OK_CHAT, "chat_template_kwargs": {"tokenize": True}},

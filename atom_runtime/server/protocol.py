@@ -340,7 +340,6 @@ class ChatCompletionRequest(_SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **_SamplingFields.UNSUPPORTED,
         "functions": "functions (the legacy function calling; use tools)",
-        "function_call": "function_call (the legacy function calling; use tool_choice)",
         "chat_template": "a request's own chat template",
         "echo": "echo in chat",
         "reasoning_effort": "reasoning effort",
@@ -381,6 +380,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
         """`defaults`: the model's sampling defaults (`AsyncEngine.sampling_defaults`)."""
+        if self.function_call not in (None, "none", "auto"):  # (with no `functions`, those two change nothing)
+            _refuse("function_call", "function_call (the legacy function calling; use tool_choice)")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
