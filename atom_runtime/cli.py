@@ -1,7 +1,7 @@
 """`atom-run`: serve a model over HTTP, or generate once from the command line.
 
     atom-run serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name NAME]
-                   [--enable-auto-tool-choice --tool-call-parser hermes] [engine flags]
+                   [--enable-auto-tool-choice --tool-call-parser P] [engine flags]
     atom-run generate [MODEL] (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--stop TEXT]... [--json]
         [engine flags]
 
@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         help='let the model choose to call tools (tool_choice "auto"), with --tool-call-parser reading its calls',
     )
     serve.add_argument(
-        "--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the tool-call format the model writes (Hermes, Qwen)"
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="the tool-call format the model writes: hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3)",
     )
     serve.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]

@@ -547,26 +547,44 @@ def test_tool_choice_named_and_required(client):
 
 @pytest.fixture(scope="module")
 def tool_http(engine):
-    """A server on the same engine started as `--enable-auto-tool-choice --tool-call-parser hermes`."""
-    server = ServerThread(build_app(engine, MODEL, api_key=API_KEY, tool_call_parser="hermes"))
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
-        yield http
-    server.stop()
+    """A server on the same engine started as `--enable-auto-tool-choice --tool-call-parser PARSER`, by parser."""
+    servers: dict[str, tuple[ServerThread, httpx.Client]] = {}
+
+    def serve(parser: str) -> httpx.Client:
+        if parser not in servers:
+            server = ServerThread(build_app(engine, MODEL, api_key=API_KEY, tool_call_parser=parser))
+            servers[parser] = server, httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
+        return servers[parser][1]
+
+    yield serve
+    for server, http in servers.values():
+        http.close()
+        server.stop()
 
 
-def test_tool_choice_auto_reads_hermes_calls(tool_http):
-    """With tool_choice "auto" the model may call: the hermes parser finds `<tool_call>{...}</tool_call>` in its
-    text (forced here with a regex, as a random model never writes one), whole and streamed, and leaves text without
-    one as content."""
-    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+LLAMA3_CALL = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
+# parser: (a regex for a reply with text and a call, the text the parser leaves, one for two calls)
+AUTO_REPLIES = {
+    "hermes": ("Sure[.] " + HERMES_CALL, "Sure.", HERMES_CALL + HERMES_CALL),
+    "llama3_json": (LLAMA3_CALL, None, LLAMA3_CALL + "; " + LLAMA3_CALL),
+}
+
+
+@pytest.mark.parametrize("parser", AUTO_REPLIES)
+def test_tool_choice_auto_reads_calls(tool_http, parser):
+    """With tool_choice "auto" the model may call: the server's parser finds the calls in its text (forced here with
+    a regex, as a random model never writes one), whole and streamed, and leaves text without one as content."""
+    http = tool_http(parser)
+    one, content, two = AUTO_REPLIES[parser]
     body = {"model": MODEL, "messages": ASK, "tools": [WEATHER, CLOCK], "max_tokens": 200, "seed": 3}
-    answer = tool_http.post(CHAT, json=body | {"guided_regex": "Sure[.] " + call}).json()
+    answer = http.post(CHAT, json=body | {"guided_regex": one}).json()
     (choice,) = answer["choices"]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == content
     (made,) = choice["message"]["tool_calls"]
     assert made["type"] == "function" and made["id"].startswith("chatcmpl-tool-")
     assert_call(made["function"]["name"], made["function"]["arguments"])
-    with tool_http.stream("POST", CHAT, json=body | {"guided_regex": call + call, "stream": True}) as response:
+    with http.stream("POST", CHAT, json=body | {"guided_regex": two, "stream": True}) as response:
         chunks = [
             openai.types.chat.ChatCompletionChunk(**json.loads(line[6:]))
             for line in response.iter_lines()
@@ -576,7 +594,7 @@ def test_tool_choice_auto_reads_hermes_calls(tool_http):
     assert content == "" and finish == "tool_calls" and len(calls) == 2
     for made in calls:
         assert_call(*made)
-    plain = tool_http.post(CHAT, json=body | {"guided_choice": ["no call needed"]}).json()["choices"][0]
+    plain = http.post(CHAT, json=body | {"guided_choice": ["no call needed"]}).json()["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": "no call needed", "tool_calls": []}
     assert plain["finish_reason"] == "stop"
 

@@ -1,4 +1,4 @@
-"""Tool calls read from a completion's text (the hermes format), whole and streamed in any pieces."""
+"""Tool calls read from a completion's text (hermes and llama3_json), whole and streamed in any pieces."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from atom_runtime.server.tool_calls import HermesStream, parse_hermes, parse_required, required_schema
+from atom_runtime.server.tool_calls import TOOL_CALL_PARSERS, parse_required, required_schema
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-TEXTS = {
+HERMES = {
     "plain text": ("Just text, < and <tool but no call.", "Just text, < and <tool but no call.", []),
     "one call": (CALL, None, [("get_weather", {"city": "Paris"})]),
     "text, then calls": (
@@ -27,19 +27,39 @@ TEXTS = {
 }
 
 
-@pytest.mark.parametrize("case", TEXTS, ids=list(TEXTS))
-def test_hermes_calls_whole_and_streamed(case):
-    text, content, calls = TEXTS[case]
-    found_content, found = parse_hermes(text)
+LLAMA3_JSON = {
+    "plain text": ("The weather is fine.", "The weather is fine.", []),
+    "one call": (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    "after the python tag": (
+        '<|python_tag|>{"name": "f", "arguments": {"x": 1}}; {"name": "g", "parameters": {}}',
+        None,
+        [("f", {"x": 1}), ("g", {})],
+    ),
+    "JSON that is not a call": ('{"answer": 42}', '{"answer": 42}', []),
+    "cut short": ('{"name": "f", "parameters": {"x"', '{"name": "f", "parameters": {"x"', []),
+}
+CASES = [("hermes", name) for name in HERMES] + [("llama3_json", name) for name in LLAMA3_JSON]
+
+
+@pytest.mark.parametrize(("parser", "case"), CASES, ids=[f"{p}: {c}" for p, c in CASES])
+def test_calls_whole_and_streamed(parser, case):
+    text, content, calls = (HERMES if parser == "hermes" else LLAMA3_JSON)[case]
+    parse, stream_of = TOOL_CALL_PARSERS[parser]
+    found_content, found = parse(text)
     assert found_content == content
     assert [(c.name, json.loads(c.arguments)) for c in found] == calls
     for size in (1, 2, 5, len(text)):  # streamed in pieces of every size: the same calls, the same content
-        stream, streamed, called = HermesStream(), "", []
+        stream, streamed, called = stream_of(), "", []
         for start in range(0, len(text), size):
             piece, made = stream.feed(text[start : start + size])
             streamed += piece
             called += made
-        streamed += stream.finish()
+        piece, made = stream.finish()
+        streamed, called = streamed + piece, called + made
         assert [(c.name, json.loads(c.arguments)) for c in called] == calls
         assert streamed.strip() == (content or "")
 

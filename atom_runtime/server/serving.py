@@ -55,7 +55,7 @@ from atom_runtime.server.protocol import (
     Usage,
     template_tools,
 )
-from atom_runtime.server.tool_calls import Call, HermesStream, parse_hermes, parse_required
+from atom_runtime.server.tool_calls import TOOL_CALL_PARSERS, Call, parse_required
 
 T = TypeVar("T")
 
@@ -115,11 +115,12 @@ class _Sent:
 class _ToolStream:
     """One streamed choice's text as content and tool-call deltas, by its request's tool mode
     (`ChatCompletionRequest.tool_mode`): a named function's arguments stream as they come; a required call's JSON
-    array goes out whole at the end; "auto" streams content and sends each call once it closes (`HermesStream`)."""
+    array goes out whole at the end; "auto" streams content and each call as the server's parser finds it
+    (`tool_calls.TOOL_CALL_PARSERS`)."""
 
-    def __init__(self, mode: str, function: str | None):
+    def __init__(self, mode: str, function: str | None, parser: str | None):
         self.mode, self.function = mode, function
-        self.hermes = HermesStream() if mode == "auto" else None
+        self.parser = TOOL_CALL_PARSERS[parser][1]() if mode == "auto" else None
         self.text = ""  # a required choice's, until it ends
         self.calls = 0  # calls sent
 
@@ -136,9 +137,10 @@ class _ToolStream:
                 return None, []
             calls = parse_required(self.text)
             return (self.text or None, []) if calls is None else (None, self._open(calls))
-        content, calls = self.hermes.feed(text)
+        content, calls = self.parser.feed(text)
         if finished:
-            content += self.hermes.finish()
+            rest, more = self.parser.finish()
+            content, calls = content + rest, calls + more
         return content or None, self._open(calls)
 
     def _open(self, calls: list[Call]) -> list[DeltaToolCall]:
@@ -159,14 +161,16 @@ class _ToolStream:
         return "tool_calls" if reason == "stop" and self.calls and self.mode in ("auto", "required") else reason
 
 
-def _tool_calls(mode: str, function: str | None, text: str, reason: str | None) -> tuple[str | None, list[Call], str]:
+def _tool_calls(
+    mode: str, function: str | None, parser: str | None, text: str, reason: str | None
+) -> tuple[str | None, list[Call], str]:
     """(content, calls, finish_reason) of a whole choice, by its request's tool mode (see `_ToolStream`)."""
     if mode == "named":
         return None, [Call(function, text)], reason
     if mode == "required":
         content, calls = None, parse_required(text)
     elif mode == "auto":
-        content, calls = parse_hermes(text)
+        content, calls = TOOL_CALL_PARSERS[parser][0](text)
     else:
         calls = None
     if not calls:  # (a required call cut short by max_tokens: its text, as content)
@@ -303,7 +307,9 @@ class OpenAIServing:
         choices = []
         for completion in final.outputs:
             delta = _advance(_Sent(), completion.index, completion, with_tokens=True)
-            content, calls, finish_reason = _tool_calls(mode, function, delta.text, delta.finish_reason)
+            content, calls, finish_reason = _tool_calls(
+                mode, function, self.tool_call_parser, delta.text, delta.finish_reason
+            )
             tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
             choices.append(
                 ChatChoice(
@@ -343,7 +349,7 @@ class OpenAIServing:
         for index in range(params.n):
             yield chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
         sent = [_Sent() for _ in range(params.n)]
-        streams = [_ToolStream(tool_mode, function) for _ in range(params.n)]
+        streams = [_ToolStream(tool_mode, function, self.tool_call_parser) for _ in range(params.n)]
         with_tokens = params.logprobs is not None or request.return_token_ids
         final = None
         async for _, final in outputs:

@@ -1,9 +1,11 @@
 """Function calling: the constraints `tool_choice` puts on a chat completion, and the tool calls read from its text.
 
 As vLLM does it: `tool_choice="required"` and a named function constrain the output with a JSON schema (a structured
-output), so what the model writes is a call; `"auto"` lets the model choose, and a tool-call parser (`--tool-call-parser
-hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Hermes, Qwen2.5 and Qwen3) finds the
-calls in its text, streamed or not.
+output), so what the model writes is a call; `"auto"` lets the model choose, and a tool-call parser
+(`--tool-call-parser`) finds the calls in its text, streamed or not:
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Hermes, Qwen2.5 and Qwen3;
+- `llama3_json`: a reply that is JSON calls, `{"name": ..., "parameters": {...}}` (several separated by `;`), as
+  Llama 3.1-3.3 write them after `<|python_tag|>` or alone.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-TOOL_CALL_PARSERS = ("hermes",)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(_OPEN) + r"(.*?)" + re.escape(_CLOSE), re.DOTALL)
 
@@ -116,11 +117,11 @@ class HermesStream:
         self.calls += calls
         return content, calls
 
-    def finish(self) -> str:
-        """Content still held back at the end: an unclosed call, or a tail that looked like one's start."""
+    def finish(self) -> tuple[str, list[Call]]:
+        """(content still held back at the end: an unclosed call, or a tail that looked like one's start; no calls)."""
         rest = (_OPEN if self.in_call else "") + self.buffer
         self.buffer, self.in_call = "", False
-        return rest if not self.calls else ""
+        return rest if not self.calls else "", []
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -129,3 +130,56 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[Call]]:
+    """(None, the calls) of a reply that is JSON calls (after an optional `<|python_tag|>`), else (the text, [])."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    try:
+        while at < len(body):
+            call, at = decoder.raw_decode(body, at)
+            arguments = call.get("parameters", call.get("arguments", {}))
+            calls.append(Call(call["name"], json.dumps(arguments, ensure_ascii=False)))
+            while at < len(body) and body[at] in " \t\n;":
+                at += 1
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return text, []
+    return (None, calls) if calls else (text, [])
+
+
+class Llama3JsonStream:
+    """`parse_llama3_json` over a stream: a reply that opens with `{` (or the python tag) is held until it ends and
+    goes out as calls (or, if it is not calls after all, as content); any other streams as content."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.holding: bool | None = None  # undecided until the first character that is not whitespace
+        self.calls: list[Call] = []
+
+    def feed(self, text: str) -> tuple[str, list[Call]]:
+        if self.holding is False:
+            return text, []
+        self.buffer += text
+        start = self.buffer.lstrip()
+        if not start or (_PYTHON_TAG.startswith(start) and len(start) < len(_PYTHON_TAG)):
+            return "", []  # nothing to decide on yet
+        self.holding = start.startswith(("{", _PYTHON_TAG))
+        if self.holding:
+            return "", []
+        content, self.buffer = self.buffer, ""
+        return content, []
+
+    def finish(self) -> tuple[str, list[Call]]:
+        """At the end: the held reply's calls, or its text."""
+        text, self.buffer = self.buffer, ""
+        if not self.holding:
+            return text, []
+        content, self.calls = parse_llama3_json(text)
+        return content or "", self.calls
+
+
+TOOL_CALL_PARSERS = {"hermes": (parse_hermes, HermesStream), "llama3_json": (parse_llama3_json, Llama3JsonStream)}
