@@ -1,7 +1,7 @@
 """`atom-run`: serve a model over HTTP, or generate once from the command line.
 
     atom-run serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name NAME]
-                   [--enable-auto-tool-choice --tool-call-parser P] [engine flags]
+                   [--enable-auto-tool-choice --tool-call-parser P] [--reasoning-parser P] [engine flags]
     atom-run generate [MODEL] (--prompt TEXT | --prompt-token-ids 1,2,3) [--max-tokens N] [--stop TEXT]... [--json]
         [engine flags]
 
@@ -25,6 +25,7 @@ import uvloop
 
 from atom_runtime.engine_args import add_engine_args, create_engine_kwargs
 from atom_runtime.sampling_params import SamplingParams, with_defaults
+from atom_runtime.server.reasoning import REASONING_PARSERS
 from atom_runtime.server.tool_calls import TOOL_CALL_PARSERS
 
 # The engine, the server and the demo model's export import torch (~3 s): `main` imports them after the flags parse,
@@ -103,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=sorted(TOOL_CALL_PARSERS),
         help="the tool-call format the model writes: hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="send a reasoning model's thinking as reasoning_content: qwen3 (<think>...</think>), deepseek_r1",
     )
     serve.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]

@@ -108,6 +108,7 @@ def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
         (["serve", "{model}", "--port", "http"], "invalid int value: 'http'"),
         (["serve", "{model}", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["serve", "{model}", "--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (["serve", "{model}", "--reasoning-parser", "o1"], "invalid choice: 'o1'"),
         (["serve", "{model}", "--port", "70000"], "a port is 0-65535, got 70000"),
         (["generate", "{model}", "--prompt", "x", "--cpu-kvcache-space-gib", "0"], "cpu_kvcache_space_gib must be"),
         (["generate", "{model}", "--prompt", "x", "--dtype", "half-ish"], "invalid choice: 'half-ish'"),

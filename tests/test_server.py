@@ -546,15 +546,17 @@ def test_tool_choice_named_and_required(client):
 
 
 @pytest.fixture(scope="module")
-def tool_http(engine):
-    """A server on the same engine started as `--enable-auto-tool-choice --tool-call-parser PARSER`, by parser."""
-    servers: dict[str, tuple[ServerThread, httpx.Client]] = {}
+def parsing_http(engine):
+    """A server on the same engine started with `--enable-auto-tool-choice --tool-call-parser P` or
+    `--reasoning-parser P`, by its options."""
+    servers: dict[tuple, tuple[ServerThread, httpx.Client]] = {}
 
-    def serve(parser: str) -> httpx.Client:
-        if parser not in servers:
-            server = ServerThread(build_app(engine, MODEL, api_key=API_KEY, tool_call_parser=parser))
-            servers[parser] = server, httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
-        return servers[parser][1]
+    def serve(**parsers: str) -> httpx.Client:
+        key = tuple(sorted(parsers.items()))
+        if key not in servers:
+            server = ServerThread(build_app(engine, MODEL, api_key=API_KEY, **parsers))
+            servers[key] = server, httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
+        return servers[key][1]
 
     yield serve
     for server, http in servers.values():
@@ -572,10 +574,10 @@ AUTO_REPLIES = {
 
 
 @pytest.mark.parametrize("parser", AUTO_REPLIES)
-def test_tool_choice_auto_reads_calls(tool_http, parser):
+def test_tool_choice_auto_reads_calls(parsing_http, parser):
     """With tool_choice "auto" the model may call: the server's parser finds the calls in its text (forced here with
     a regex, as a random model never writes one), whole and streamed, and leaves text without one as content."""
-    http = tool_http(parser)
+    http = parsing_http(tool_call_parser=parser)
     one, content, two = AUTO_REPLIES[parser]
     body = {"model": MODEL, "messages": ASK, "tools": [WEATHER, CLOCK], "max_tokens": 200, "seed": 3}
     answer = http.post(CHAT, json=body | {"guided_regex": one}).json()
@@ -597,6 +599,30 @@ def test_tool_choice_auto_reads_calls(tool_http, parser):
     plain = http.post(CHAT, json=body | {"guided_choice": ["no call needed"]}).json()["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": "no call needed", "tool_calls": []}
     assert plain["finish_reason"] == "stop"
+
+
+def chat_parts(http: httpx.Client, body: dict) -> list[tuple[str | None, str | None]]:
+    """[(reasoning_content, content)] of a chat completion, whole, then streamed (its deltas joined)."""
+    message = http.post(CHAT, json=body).json()["choices"][0]["message"]
+    with http.stream("POST", CHAT, json=body | {"stream": True}) as response:
+        deltas = [json.loads(line[6:])["choices"] for line in response.iter_lines() if line.startswith("data: {")]
+    parts = ["".join(c[0]["delta"].get(field) or "" for c in deltas if c) for field in ("reasoning_content", "content")]
+    return [(message.get("reasoning_content"), message["content"]), tuple(part or None for part in parts)]
+
+
+def test_reasoning_parsers(parsing_http):
+    """`--reasoning-parser`: the thinking comes back as reasoning_content, apart from the answer, whole and streamed;
+    qwen3's opens with <think> (forced here with a regex), deepseek_r1's opens the reply (a random model never closes
+    it: all thinking), unless a constraint shaped the reply from its first token (then all answer)."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "seed": 5}
+    qwen3 = parsing_http(reasoning_parser="qwen3")
+    for parts in chat_parts(qwen3, body | {"guided_regex": "<think>[a-c]{4}</think>(Paris|Rome)"}):
+        assert re.fullmatch("[a-c]{4}", parts[0]) and parts[1] in ("Paris", "Rome")
+    assert chat_parts(qwen3, body | {"guided_choice": ["no thinking"]}) == [(None, "no thinking")] * 2
+    deepseek = parsing_http(reasoning_parser="deepseek_r1")
+    for reasoning, content in chat_parts(deepseek, body | {"max_tokens": 8}):
+        assert reasoning and content is None
+    assert chat_parts(deepseek, body | {"guided_choice": ["yes"]}) == [(None, "yes")] * 2
 
 
 def test_tools_and_tool_history_reach_the_chat_template(http, engine, monkeypatch):

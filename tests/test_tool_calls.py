@@ -1,4 +1,5 @@
-"""Tool calls read from a completion's text (hermes and llama3_json), whole and streamed in any pieces."""
+"""Tool calls (hermes, llama3_json) and reasoning (qwen3, deepseek_r1) read from a completion's text, whole and
+streamed in pieces of any size."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import pytest
 
+from atom_runtime.server.reasoning import ReasoningStream, split_reasoning
 from atom_runtime.server.tool_calls import TOOL_CALL_PARSERS, parse_required, required_schema
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -73,3 +75,30 @@ def test_required_calls_schema_and_parse():
     (call,) = parse_required('[{"name": "a", "parameters": {"k": [1, 2]}}]')
     assert (call.name, json.loads(call.arguments)) == ("a", {"k": [1, 2]})
     assert parse_required('[{"name": "a", "param') is None  # cut short by max_tokens
+
+
+# (parser, reply, constrained): (reasoning, answer)
+REPLIES = {
+    ("qwen3", "<think>\nhmm</think>\n\nyes", False): ("\nhmm", "\n\nyes"),
+    ("qwen3", "  <think>cut short", False): ("cut short", None),
+    ("qwen3", "no thinking", False): (None, "no thinking"),
+    ("qwen3", "a</think>b", False): (None, "a</think>b"),  # thinking opens the reply, or there is none
+    ("qwen3", "<thin", False): (None, "<thin"),
+    ("deepseek_r1", "hmm</think>yes", False): ("hmm", "yes"),
+    ("deepseek_r1", "<think>hmm</think>", False): ("hmm", None),
+    ("deepseek_r1", "cut short", False): ("cut short", None),
+    ("deepseek_r1", '{"a": 1}', True): (None, '{"a": 1}'),  # constrained from its first token: all answer
+}
+
+
+@pytest.mark.parametrize("case", REPLIES, ids=[f"{p}: {r!r}" for p, r, _ in REPLIES])
+def test_reasoning_whole_and_streamed(case):
+    parser, text, constrained = case
+    assert split_reasoning(parser, text, constrained) == REPLIES[case]
+    for size in (1, 2, 3, len(text)):
+        stream, reasoning, answer = ReasoningStream(parser, constrained), "", ""
+        for start in range(0, len(text), size):
+            thought, said = stream.feed(text[start : start + size])
+            reasoning, answer = reasoning + thought, answer + said
+        thought, said = stream.finish()
+        assert (reasoning + thought or None, answer + said or None) == REPLIES[case]

@@ -86,10 +86,11 @@ def build_app(
     torch_profiler_dir: str | Path | None = None,
     model_path: str | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The app for one engine; the caller owns the engine (and shuts it down). `tool_call_parser`: tool_choice
-    "auto" is on, reading calls in that format."""
-    serving = OpenAIServing(engine, served_model_name, tool_call_parser)
+    "auto" is on, reading calls in that format; `reasoning_parser`: chat replies' thinking as reasoning_content."""
+    serving = OpenAIServing(engine, served_model_name, tool_call_parser, reasoning_parser)
     profiler = EngineProfiler(engine, torch_profiler_dir) if torch_profiler_dir is not None else None
     app = FastAPI(title="atom", summary="OpenAI-compatible LLM server")
     install_error_handlers(app)
@@ -187,6 +188,7 @@ def run_server(args: argparse.Namespace) -> None:
         torch_profiler_dir=args.torch_profiler_dir,
         model_path=str(args.model),
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
     )
     server = uvicorn.Server(
         uvicorn.Config(

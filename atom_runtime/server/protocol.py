@@ -496,6 +496,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(**_OMIT_NONE)  # a reasoning model's thinking (--reasoning-parser)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -536,6 +537,7 @@ class DeltaToolCall(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(**_OMIT_NONE)
     content: str | None = Field(**_OMIT_NONE)
+    reasoning_content: str | None = Field(**_OMIT_NONE)
     tool_calls: list[DeltaToolCall] | None = Field(**_OMIT_NONE)
 
 

@@ -55,6 +55,7 @@ from atom_runtime.server.protocol import (
     Usage,
     template_tools,
 )
+from atom_runtime.server.reasoning import ReasoningStream, split_reasoning
 from atom_runtime.server.tool_calls import TOOL_CALL_PARSERS, Call, parse_required
 
 T = TypeVar("T")
@@ -179,12 +180,20 @@ def _tool_calls(
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, tool_call_parser: str | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ):
         """`tool_call_parser`: finds the calls in a completion that chose to make them (tool_choice "auto"; vLLM's
-        --enable-auto-tool-choice --tool-call-parser), None where the server does not offer that."""
+        --enable-auto-tool-choice --tool-call-parser), None where the server does not offer that;
+        `reasoning_parser`: sets a reasoning model's thinking apart from its answer (vLLM's --reasoning-parser)."""
         self.engine = engine
         self.served_model_name = served_model_name
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     # ---- /v1/completions ---------------------------------------------------------------
 
@@ -307,14 +316,20 @@ class OpenAIServing:
         choices = []
         for completion in final.outputs:
             delta = _advance(_Sent(), completion.index, completion, with_tokens=True)
-            content, calls, finish_reason = _tool_calls(
-                mode, function, self.tool_call_parser, delta.text, delta.finish_reason
-            )
+            reasoning, answer = None, delta.text
+            if self.reasoning_parser is not None:
+                constrained = params.structured_outputs is not None
+                reasoning, answer = split_reasoning(self.reasoning_parser, delta.text, constrained)
+            content, calls, finish_reason = None, [], delta.finish_reason
+            if answer is not None:
+                content, calls, finish_reason = _tool_calls(
+                    mode, function, self.tool_call_parser, answer, delta.finish_reason
+                )
             tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
             choices.append(
                 ChatChoice(
                     index=completion.index,
-                    message=AssistantMessage(content=content, tool_calls=tool_calls),
+                    message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
                     logprobs=self._chat_logprobs(delta, params),
                     finish_reason=finish_reason,
                     stop_reason=delta.stop_reason,
@@ -350,18 +365,29 @@ class OpenAIServing:
             yield chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
         sent = [_Sent() for _ in range(params.n)]
         streams = [_ToolStream(tool_mode, function, self.tool_call_parser) for _ in range(params.n)]
+        constrained = params.structured_outputs is not None
+        parser = self.reasoning_parser
+        thinking = [ReasoningStream(parser, constrained) if parser else None for _ in range(params.n)]
         with_tokens = params.logprobs is not None or request.return_token_ids
         final = None
         async for _, final in outputs:
             for completion in final.outputs:
                 delta = _advance(sent[completion.index], completion.index, completion, with_tokens)
                 if delta is not None:
-                    stream = streams[delta.index]
-                    content, tool_calls = stream.feed(delta.text, delta.finish_reason is not None)
+                    stream, finished = streams[delta.index], delta.finish_reason is not None
+                    reasoning, answer = "", delta.text
+                    if (reasoner := thinking[delta.index]) is not None:
+                        reasoning, answer = reasoner.feed(delta.text)
+                        if finished:
+                            held = reasoner.finish()
+                            reasoning, answer = reasoning + held[0], answer + held[1]
+                    content, tool_calls = stream.feed(answer, finished)
                     yield chunk(
                         ChatChunkChoice(
                             index=delta.index,
-                            delta=Delta(content=content, tool_calls=tool_calls or None),
+                            delta=Delta(
+                                content=content, reasoning_content=reasoning or None, tool_calls=tool_calls or None
+                            ),
                             logprobs=self._chat_logprobs(delta, params),
                             finish_reason=stream.finish_reason(delta.finish_reason),
                             stop_reason=delta.stop_reason,

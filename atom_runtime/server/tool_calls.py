@@ -109,7 +109,7 @@ class HermesStream:
                     self.buffer = self.buffer[start + len(_OPEN) :]
                     self.in_call = True
                     continue
-                keep = _partial_suffix(self.buffer, _OPEN)
+                keep = partial_suffix(self.buffer, _OPEN)
                 if not self.calls and not calls:  # text between or after calls is dropped, as in `parse_hermes`
                     content += self.buffer[: len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep :]
@@ -124,7 +124,7 @@ class HermesStream:
         return rest if not self.calls else "", []
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
