@@ -220,7 +220,7 @@ class EngineCore:
                 grammar = future.result()
             except InvalidRequestError as error:
                 for seq in seqs:
-                    seq.status, seq.finish_reason = FINISHED, "abort"
+                    self._abort_unscheduled(seq)
                 del self.sequences[request_id]
                 self.rejected.append((request_id, error))
                 continue
@@ -228,12 +228,17 @@ class EngineCore:
                 seq.matcher = self._grammars.new_matcher(grammar)
                 self.scheduler.add(seq)
 
+    @staticmethod
+    def _abort_unscheduled(seq: Sequence) -> None:
+        """End a sequence the scheduler never had (its grammar was compiling): no blocks to free."""
+        seq.status, seq.finish_reason = FINISHED, "abort"
+
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stop a request (or one of its samples) and free its blocks; unknown ids are ignored."""
         for seq in self.sequences.get(request_id, []):
             if (index is None or seq.index == index) and not seq.finished:
                 if request_id in self._compiling:  # not scheduled yet
-                    seq.status, seq.finish_reason = FINISHED, "abort"
+                    self._abort_unscheduled(seq)
                 else:
                     self.scheduler.finish(seq, "abort")
         if request_id in self._compiling and all(seq.finished for seq in self.sequences[request_id]):
@@ -330,7 +335,7 @@ class EngineCore:
                 output.skipped.add(row)
                 continue
             if position == seq.num_prompt_tokens and seq.params.prompt_logprobs is not None and seq.index == 0:
-                output.prompt_scores[row] = seq.prompt_scores or SampledTokens([], [], [], [])
+                output.prompt_scores[row] = seq.prompt_scores or SampledTokens.empty()
                 seq.prompt_scores = None
             seq.token_ids[position] = token
             num_tokens = position + 1
@@ -350,7 +355,7 @@ class EngineCore:
         """Add a step's scored prompt positions to their sequences' (`rows` holds them in `scored`'s order)."""
         at = 0
         for seq, n in scored:
-            mine = seq.prompt_scores = seq.prompt_scores or SampledTokens([], [], [], [])
+            mine = seq.prompt_scores = seq.prompt_scores or SampledTokens.empty()
             mine.token_ids += rows.token_ids[at : at + n]
             mine.logprob_token_ids += rows.logprob_token_ids[at : at + n]
             mine.logprobs += rows.logprobs[at : at + n]

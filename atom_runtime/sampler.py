@@ -29,6 +29,11 @@ class SampledTokens:
     ranks: list[int] | None = None
     prompt: SampledTokens | None = None  # the prompt positions scored for prompt_logprobs, in their rows' order
 
+    @classmethod
+    def empty(cls) -> SampledTokens:
+        """No rows, with logprobs: what rows are gathered into."""
+        return cls([], [], [], [])
+
 
 @dataclass
 class DeviceSample:
