@@ -360,20 +360,23 @@ def main() -> None:
         steps["decode"].append(partial(bench_decode_kv, [ctx], f"b1 ctx{ctx}", decode_configs, sdpa=True))
     # bench_decode.py's batch 1
     steps["decode"].append(partial(bench_decode_kv, [432], "b1 ctx432", decode_configs, sdpa=True))
-    # A mixed step of the offline run at a 512-token budget (RESULTS, twenty-fifth session): 167 decodes beside a
-    # 345-token chunk at 1,024 keys cached, against the same decodes alone.
+    # Mixed steps: one of the offline run at a 512-token budget (RESULTS, twenty-fifth session; 167 decodes beside a
+    # 345-token chunk at 1,024 keys cached, against the same decodes alone) and others around it. Each with the
+    # default launch, its tiles after the decode programs on one stream, and that with the large tiles only.
+    serial = replace(base, tiles_beside_decodes=False)
+    mixed_configs = [base, serial, replace(serial, small_block_m=base.block_m, small_warps=base.num_warps)]
     decodes = torch.randint(1024, 1281, (167,), generator=gen).tolist()
     steps["decode"].append(partial(bench_decode_kv, decodes, "b167 ctx1024-1280", [base], sdpa=False))
-    steps["decode"].append(
-        partial(
-            bench_decode_kv,
-            [*decodes, 1024 + 345],
-            "b167 ctx1024-1280 + a 345-token chunk",
-            [base],
-            sdpa=False,
-            query_lens=[1] * 167 + [345],
-        )
-    )
+    long_decodes = torch.randint(1024, 2049, (256,), generator=gen).tolist()
+    for label, seq_lens, query_lens in (
+        ("b167 ctx1024-1280 + a 345-token chunk", [*decodes, 1024 + 345], [1] * 167 + [345]),
+        ("b256 ctx1024-2048 + a 1024 prompt", [*long_decodes, 1024], [1] * 256 + [1024]),
+        ("b256 ctx1024-2048 + 2048 at 1024", [*long_decodes, 1024 + 2048], [1] * 256 + [2048]),
+        ("b16 ctx1024-2048 + 512 at 512", [*long_decodes[:16], 1024], [1] * 16 + [512]),
+        ("a 1024-token prompt alone", [1024], [1024]),
+    ):
+        step = partial(bench_decode_kv, seq_lens, label, mixed_configs, sdpa=False, query_lens=query_lens)
+        steps["decode"].append(step)
     for step in steps[args.only] if args.only else [s for group in steps.values() for s in group]:
         new_rows = step()
         print_rows(new_rows)

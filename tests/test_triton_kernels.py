@@ -792,6 +792,21 @@ def splitting_config(head_dim: int) -> attention.AttentionConfig:
     )
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_paged_attention_prefill_tile_sizes(beside):
+    """Both tile sizes a step's prefill tiles can take, each against the reference: a chunk short of a wave of large
+    tiles among decodes, and one past it; on a GPU, launched beside the decode programs on a stream of their own and
+    after them on the same one."""
+    config = dataclasses.replace(
+        attention.default_config(16), block_m=64, small_block_m=16, small_warps=2, tiles_beside_decodes=beside
+    )
+    wave = 32 * -(-common.multiprocessors(torch.device(DEVICE)) // 2)  # tokens of a wave of 32-token tiles, 2 heads
+    for lens, block_q in (([(1, 23), (20, 20), (1, 9)], 8), ([(1, 23), (wave + 1, wave + 1), (1, 3)], 32)):
+        tokens = sum(n for n, _ in lens)
+        assert attention.prefill_tiles(tokens, len(lens), 2, 2, config, torch.device(DEVICE))[0] == block_q
+        check_attention(4, 2, 16, 4, lens, config=config)
+
+
 def test_paged_attention_split_tickets_reset():
     """The last decode split resets its arrival counter, so back-to-back calls merge correctly."""
     for lens in ([(1, 23), (1, 5), (3, 9)], [(1, 40), (2, 7), (1, 12), (1, 2)]):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from atom_compile.graphs.warmup import install_kernels, warm_steps
 
 
@@ -22,13 +24,21 @@ def test_install_rewrites_group_paths(tmp_path, monkeypatch):
 
 
 def test_warm_steps_cover_decode_prefill_and_mixed():
-    steps = warm_steps(max_model_len=4096, unsplit_batch=66)
+    steps = warm_steps(max_model_len=4096, unsplit_batch=66, large_tile_tokens=1088)
     decode_batches = {len(step) for step in steps if all(n == 1 for _, n in step)}
     assert {1, 66} < decode_batches  # one sequence, several, and the unsplit attention launch's batch
     assert any(len(step) == 1 and step[0][1] > 64 for step in steps)  # a long prefill
     mixed_batches = {len(step) for step in steps if {n == 1 for _, n in step} == {True, False}}
     assert len(mixed_batches) > 1 and max(mixed_batches) >= 66  # mixed, split and unsplit
-    assert all(c + n <= 64 for step in warm_steps(max_model_len=64, unsplit_batch=17) for c, n in step)
+
+
+@pytest.mark.parametrize("max_model_len,large", [(4096, 1088), (64, 300), (128, 8448), (2, 5)])
+def test_warm_steps_reach_the_large_prefill_tiles(max_model_len, large):
+    """A step whose prefill tokens, as the attention launch bounds them from shapes (tokens - sequences + 1), reach
+    the large tiles, in sequences that fit `max_model_len`."""
+    steps = warm_steps(max_model_len, unsplit_batch=17, large_tile_tokens=large)
+    assert any(sum(n for _, n in step) - len(step) + 1 >= large for step in steps)
+    assert all(c + n <= max_model_len for step in steps for c, n in step)
 
 
 def test_unsplit_decode_batch_is_the_first_without_splits():

@@ -65,11 +65,16 @@ def triton_cache_at(path: Path) -> Iterator[None]:
 WARM_CONTEXT = 40  # each decode sequence's cached tokens
 
 
-def warm_steps(max_model_len: int, unsplit_batch: int) -> list[list[tuple[int, int]]]:
+def warm_steps(max_model_len: int, unsplit_batch: int, large_tile_tokens: int) -> list[list[tuple[int, int]]]:
     """Steps as lists of (context already cached, new tokens) per sequence; `unsplit_batch`: the fewest sequences
-    whose attention launch splits no context (the kernel's other variant, in decode-only and mixed launches)."""
+    whose attention launch splits no context (the kernel's other variant, in decode-only and mixed launches);
+    `large_tile_tokens`: the fewest prefill tokens of a step whose attention takes the large prefill tiles (a step
+    of that many, in as few sequences as `max_model_len` allows, plus one token a further sequence)."""
     decode = [[(WARM_CONTEXT, 1)] * n for n in sorted({1, 2, 3, 16, 17, unsplit_batch})]  # 2: splits if any does
     prefill = [[(0, n)] for n in (1, 7, 16, 33, 130)]  # past 64 tokens: the GEMMs' larger tile configs
+    seqs = max(1, -(-(large_tile_tokens - 1) // max(1, max_model_len - 1)))
+    tokens = large_tile_tokens + seqs - 1
+    prefill.append([(0, tokens // seqs + (i < tokens % seqs)) for i in range(seqs)])
     mixed = [[(0, 21), (30, 1), (12, 9), (50, 1)], [(0, 100), (20, 1)], [(0, 9)] + [(WARM_CONTEXT, 1)] * unsplit_batch]
     return [[(c, n) for c, n in step if c + n <= max_model_len] for step in decode + prefill + mixed]
 
@@ -136,21 +141,23 @@ def warm_kernels(
 ) -> None:
     """Run `forward(*graph inputs)` (the artifact as served, with KV-cache blocks of `block_size` tokens) over
     `warm_steps` into the Triton cache `cache`."""
-    from atom_models.ops.triton_kernels.attention import unsplit_decode_batch
+    from atom_models.ops.triton_kernels.attention import large_tile_tokens, unsplit_decode_batch
 
     config = model.config
     device = next(model.parameters()).device
     max_blocks = -(-max_model_len // block_size)
-    unsplit = unsplit_decode_batch(config.num_key_value_heads, head_dim_of(config), device)
-    blocks = max(64, (unsplit + 1) * -(-(WARM_CONTEXT + 1) // block_size))  # every step's tables fit
-    kv_shape = (blocks, block_size, config.num_key_value_heads, head_dim_of(config))
+    kv_heads, head_dim = config.num_key_value_heads, head_dim_of(config)
+    large = large_tile_tokens(kv_heads, config.num_attention_heads, head_dim, device)
+    steps = warm_steps(max_model_len, unsplit_decode_batch(kv_heads, head_dim, device), large)
+    blocks = max(sum(-(-(c + n) // block_size) for c, n in step) for step in steps)  # every step's tables fit
+    kv_shape = (blocks, block_size, kv_heads, head_dim)
     weights = model_weights(model)
     forget_compiled_kernels()
     with triton_cache_at(cache):
         for kv_dtype in kv_cache_dtypes(model, device, block_size):  # serving picks one with --kv-cache-dtype
             shape = kv_cache_shape(kv_dtype, *kv_shape)
             kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(config.num_hidden_layers)]
-            for step in warm_steps(max_model_len, unsplit):
+            for step in steps:
                 input_ids, positions, meta, logits_indices = step_inputs(step, max_blocks, block_size, device)
                 (logits,) = forward(
                     *graph_arguments(traced.inputs, weights, input_ids, positions, kv_caches, meta, logits_indices)

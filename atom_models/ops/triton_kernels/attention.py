@@ -19,9 +19,10 @@ index) as program `i // heads` of that head, of two kinds:
   masks, the diagonal with them. Tiles past the last sequence zero the padding tokens; tiles of
   decode sequences do nothing.
 
-One launch, because at batch 1 a decode step's KV read takes only a few microseconds, about what
-a second launch and its dependency cost. The price: both paths share one register budget, and
-the split counters persist between launches (see `common.ticket_counters`).
+A decode-only step is one launch, because at batch 1 its KV read takes only a few microseconds, about what a
+second launch and its dependency cost (the split counters persist between launches: see `common.ticket_counters`).
+A step with prefill tokens launches its tiles apart, on a stream of their own beside the decode programs (a
+compute-bound launch next to a memory-bound one), with tiles sized to the step (`prefill_tiles`).
 
 An FP8 cache is read with its per-tensor scales folded in: k_scale into the softmax scale, v_scale
 into the output (see `atom_models.ops.attention`). Its value tiles are widened to fp16 before the second
@@ -36,6 +37,7 @@ rounded to the activation dtype for the second product, as flash attention does 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -97,6 +99,11 @@ class AttentionConfig:
     # 64 a thread at 4 warps: Llama-3's 4 heads a group at head_dim 128 merge 16 splits at once (a lone context of up
     # to 2048 keys in one round trip), Qwen3's 2 heads 32.
     merge_elements: int = 8192
+    # Prefill tiles of a step whose tokens make fewer `block_m` tiles than the GPU has multiprocessors.
+    small_block_m: int = 64
+    small_warps: int = 4
+    # Tiles on a stream of their own, beside the decode programs of the step.
+    tiles_beside_decodes: bool = True
 
 
 def default_config(head_dim: int) -> AttentionConfig:
@@ -817,6 +824,33 @@ def unsplit_decode_batch(num_kv_heads: int, head_dim: int, device: torch.device)
     return next(n for n in itertools.count(2) if decode_splits(n, num_kv_heads, config, device) == 1)
 
 
+def prefill_tiles(
+    num_tokens: int, num_seqs: int, num_kv_heads: int, group_p: int, config: AttentionConfig, device: torch.device
+) -> tuple[int, int]:
+    """(query tokens a tile, warps) of a step's prefill tiles: `block_m` rows where the step's prefill tokens make at
+    least a wave of such tiles, `small_block_m` rows otherwise. From shapes alone: a step's prefill tokens are at least
+    `num_tokens - num_seqs + 1` (a decode has one token, a prefill chunk of a step with tiles at least one more).
+    H100, Llama-3-8B, 167 decodes beside a 345-token chunk: 256-row tiles made 48 programs for 132 multiprocessors,
+    0.339 ms a layer against 0.317 with 64-row tiles at 4 warps (decodes alone 0.280); a 1024-token prompt alone 48.2
+    -> 36.4 us; a 2048-token chunk keeps the large tiles (0.749 against 0.773 ms; `bench_kernels.py --only decode`)."""
+    block_q = max(1, config.block_m // group_p)
+    if num_kv_heads * triton.cdiv(num_tokens - num_seqs + 1, block_q) >= multiprocessors(device):
+        return block_q, config.num_warps
+    return max(1, config.small_block_m // group_p), config.small_warps
+
+
+def large_tile_tokens(num_kv_heads: int, num_q_heads: int, head_dim: int, device: torch.device) -> int:
+    """The fewest prefill tokens of a one-sequence step with the large tiles (the export's warm-up compiles both)."""
+    config = default_config(head_dim)
+    block_q = max(1, config.block_m // triton.next_power_of_2(num_q_heads // num_kv_heads))
+    return block_q * triton.cdiv(multiprocessors(device), num_kv_heads)
+
+
+@functools.cache
+def _tiles_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def run_paged_attention(
     q: Tensor,
     kv_cache: Tensor,
@@ -845,7 +879,6 @@ def run_paged_attention(
     if inline:
         (k_cache, k_scale), (v_cache, v_scale) = inline_scale_operands(k_cache), inline_scale_operands(v_cache)
     group_p = triton.next_power_of_2(group)
-    block_q = max(1, config.block_m // group_p)
     num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device, block_tables.shape[1] * block_size)
     decode_block_n, split_keys, merge_splits = _decode_variant(num_seqs, num_splits, group_p, head_dim, config)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -853,10 +886,9 @@ def run_paged_attention(
     tickets = ticket_counters(q.device, num_seqs * num_kv_heads)
     kv_scales = kv_cache.dtype == FP8_DTYPE and k_scale is not None
     # Only decode tokens (one a sequence; the runtime never schedules an empty one): no tile launch, and the decode
-    # programs index the query by sequence. Otherwise prefill tiles get a launch of their own, after the decode
-    # programs': in one launch the tile program's 8 warps and 255 registers held the decode programs to one a
-    # multiprocessor (4 warps, 163 registers alone). H100, Llama-3-8B, a step of 167 decodes and a 345-token chunk:
-    # 409 -> 385 us a layer (1.92 -> 2.05 TB/s of KV; decode-only steps read 2.9).
+    # programs index the query by sequence. Otherwise prefill tiles get a launch of their own: in one launch the tile
+    # program's 8 warps and 255 registers held the decode programs to one a multiprocessor (4 warps, 163 registers
+    # alone). H100, Llama-3-8B, a step of 167 decodes and a 345-token chunk: 409 -> 385 us a layer.
     decode_only = num_tokens == num_seqs
     num_stages = config.lone_decode_stages if decode_only and num_seqs == 1 else config.num_stages
     args = (
@@ -886,34 +918,61 @@ def run_paged_attention(
         k_cache.stride(2),
         block_tables.stride(0),
     )
+    # Each launch is given only the constexprs its programs read (the others fixed), so that a tile launch compiles
+    # once for all decode variants and a decode launch once for all tile sizes.
     constexprs = dict(
         GROUP=group,
         GROUP_P=group_p,
         HEAD_DIM=head_dim,
-        BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
+        BLOCK_SIZE=block_size,
+        KV_SCALES=kv_scales,
+        INLINE_SCALES=inline,
+        **pdl_launch(q.device),
+    )
+    decode = dict(
+        BLOCK_Q=1,
         DECODE_ROWS=max(16, group_p),
         DECODE_BLOCK_N=decode_block_n,
         DECODE_SPLIT_KEYS=split_keys,
-        BLOCK_SIZE=block_size,
         SPLITS=merge_splits,
-        KV_SCALES=kv_scales,
-        INLINE_SCALES=inline,
         DECODE_VALUES_WITH_KEYS=num_stages == 1,
-        **pdl_launch(q.device),
-    )
-    _attention_kernel[(num_kv_heads * num_seqs * num_splits,)](
-        *args,
-        **constexprs,
         DECODE_ONLY=decode_only,
         LONE=decode_only and num_seqs == 1,
-        num_warps=config.decode_warps,
-        num_stages=num_stages,
     )
-    if not decode_only:
-        _attention_kernel[(num_kv_heads * (triton.cdiv(num_tokens, block_q) + num_seqs),)](
-            *args, **constexprs, DECODE_ONLY=False, TILES=True, num_warps=config.num_warps, num_stages=config.num_stages
+    if decode_only:
+        _attention_kernel[(num_kv_heads * num_seqs * num_splits,)](
+            *args, **constexprs, **decode, num_warps=config.decode_warps, num_stages=num_stages
         )
+        return out
+    block_q, tile_warps = prefill_tiles(num_tokens, num_seqs, num_kv_heads, group_p, config, q.device)
+    tiles = dict(
+        BLOCK_Q=block_q,
+        DECODE_ROWS=16,
+        DECODE_BLOCK_N=16,
+        DECODE_SPLIT_KEYS=16,
+        SPLITS=1,
+        DECODE_VALUES_WITH_KEYS=False,
+        DECODE_ONLY=False,
+        TILES=True,
+    )
+    tile_grid = (num_kv_heads * (triton.cdiv(num_tokens, block_q) + num_seqs),)
+    launch_tiles = functools.partial(
+        _attention_kernel[tile_grid], *args, **constexprs, **tiles, num_warps=tile_warps, num_stages=config.num_stages
+    )
+    beside = config.tiles_beside_decodes and q.is_cuda
+    main = torch.cuda.current_stream(q.device) if beside else None
+    if beside:  # tiles launched first: their programs take multiprocessors before the decode programs fill them all
+        _tiles_stream(q.device).wait_stream(main)
+        with torch.cuda.stream(_tiles_stream(q.device)):
+            launch_tiles()
+    _attention_kernel[(num_kv_heads * num_seqs * num_splits,)](
+        *args, **constexprs, **decode, num_warps=config.decode_warps, num_stages=num_stages
+    )
+    if beside:
+        main.wait_stream(_tiles_stream(q.device))
+    else:
+        launch_tiles()
     return out
 
 
