@@ -14,6 +14,7 @@ context's KV bytes over the attention kernels' time a step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from atom_models.llama import head_dim_of
 from atom_runtime.config import EngineConfig
 from atom_runtime.loading import create_core
 from atom_runtime.sampling_params import SamplingParams
+
+# The host's phases a step (`EngineStats`): a step that waits little for the device is bound by the host.
+PHASES = ("schedule", "launch", "wait", "finish")
 
 
 def main() -> None:
@@ -75,11 +79,14 @@ def main() -> None:
     for _ in range(args.warm_steps):
         core.step()
     sync()
+    before = dataclasses.replace(core.stats)
     started = time.perf_counter()
     for _ in range(args.timed_steps):
         core.step()
     sync()
     wall_ms = (time.perf_counter() - started) / args.timed_steps * 1e3
+    spent = {phase: getattr(core.stats, f"{phase}_time_s") - getattr(before, f"{phase}_time_s") for phase in PHASES}
+    phases = {f"{phase}_ms": seconds / args.timed_steps * 1e3 for phase, seconds in spent.items()}
     with torch.profiler.profile(activities=[activity]) as profile:
         for _ in range(args.profiled_steps):
             core.step()
@@ -100,6 +107,7 @@ def main() -> None:
     context = sum(p[2] for p in profiled) / n
     summary = {
         "wall_ms": wall_ms,
+        **phases,
         "kernel_ms": sum(k["ms"] for k in kernels),
         "seqs": sum(p[0] for p in profiled) / n,
         "tokens": sum(p[1] for p in profiled) / n,
@@ -114,6 +122,9 @@ def main() -> None:
         [summary],
         [
             ("wall_ms", "wall ms/step", ".2f"),
+            ("launch_ms", "launch", ".2f"),
+            ("wait_ms", "wait", ".2f"),
+            ("finish_ms", "finish", ".2f"),
             ("kernel_ms", "kernels ms", ".2f"),
             ("seqs", "seqs", ".1f"),
             ("tokens", "tokens", ".1f"),
