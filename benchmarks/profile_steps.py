@@ -14,7 +14,10 @@ context's KV bytes over the attention kernels' time a step.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import dataclasses
+import pstats
 import time
 from pathlib import Path
 
@@ -42,6 +45,7 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=40)
     parser.add_argument("--profiled-steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=15, help="kernels listed")
+    parser.add_argument("--host-profile", action="store_true", help="also where the timed steps' host time goes")
     parser.add_argument("--out", type=Path, default=Path("profile_steps.json"))
     args = parser.parse_args()
 
@@ -80,10 +84,12 @@ def main() -> None:
         core.step()
     sync()
     before = dataclasses.replace(core.stats)
+    host = cProfile.Profile() if args.host_profile else None
     started = time.perf_counter()
-    for _ in range(args.timed_steps):
-        core.step()
-    sync()
+    with host or contextlib.nullcontext():
+        for _ in range(args.timed_steps):
+            core.step()
+        sync()
     wall_ms = (time.perf_counter() - started) / args.timed_steps * 1e3
     spent = {phase: getattr(core.stats, f"{phase}_time_s") - getattr(before, f"{phase}_time_s") for phase in PHASES}
     phases = {f"{phase}_ms": seconds / args.timed_steps * 1e3 for phase, seconds in spent.items()}
@@ -139,6 +145,10 @@ def main() -> None:
         kernels[: args.top],
         [("ms", "ms", ".3f"), ("launches", "launches", ".1f"), ("kernel", "kernel", "")],
     )
+    if host is not None:
+        print(f"\nthe host's time over the {args.timed_steps} timed steps (cProfile): own time, then with callees")
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(host).sort_stats(order).print_stats(args.top * 2)
     run_args = vars(args) | {"artifact": str(args.artifact), "out": str(args.out)}
     write_json(args.out, {"args": run_args, **summary, "kernels": kernels})
 
