@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -846,9 +847,18 @@ def large_tile_tokens(num_kv_heads: int, num_q_heads: int, head_dim: int, device
     return block_q * triton.cdiv(multiprocessors(device), num_kv_heads)
 
 
+class _TilesStream(NamedTuple):
+    """A device's stream for prefill tiles, and the events that fork it from the step's stream and join it back
+    (reused: a wait takes an event's latest record, and each is waited on right after it is recorded)."""
+
+    stream: torch.cuda.Stream
+    fork: torch.cuda.Event
+    join: torch.cuda.Event
+
+
 @functools.cache
-def _tiles_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+def _tiles_stream(device: torch.device) -> _TilesStream:
+    return _TilesStream(torch.cuda.Stream(device), torch.cuda.Event(), torch.cuda.Event())
 
 
 def run_paged_attention(
@@ -960,17 +970,22 @@ def run_paged_attention(
     launch_tiles = functools.partial(
         _attention_kernel[tile_grid], *args, **constexprs, **tiles, num_warps=tile_warps, num_stages=config.num_stages
     )
-    beside = config.tiles_beside_decodes and q.is_cuda
-    main = torch.cuda.current_stream(q.device) if beside else None
-    if beside:  # tiles launched first: their programs take multiprocessors before the decode programs fill them all
-        _tiles_stream(q.device).wait_stream(main)
-        with torch.cuda.stream(_tiles_stream(q.device)):
+    beside = _tiles_stream(q.device) if config.tiles_beside_decodes and q.is_cuda else None
+    if beside is not None:  # tiles launched first: their programs take multiprocessors before the decode programs do
+        main = torch.cuda.current_stream(q.device)
+        beside.fork.record(main)
+        beside.stream.wait_event(beside.fork)
+        torch.cuda.set_stream(beside.stream)  # (a stream context costs more host time, in a host-bound step)
+        try:
             launch_tiles()
+        finally:
+            torch.cuda.set_stream(main)
+        beside.join.record(beside.stream)
     _attention_kernel[(num_kv_heads * num_seqs * num_splits,)](
         *args, **constexprs, **decode, num_warps=config.decode_warps, num_stages=num_stages
     )
-    if beside:
-        main.wait_stream(_tiles_stream(q.device))
+    if beside is not None:
+        main.wait_event(beside.join)
     else:
         launch_tiles()
     return out

@@ -52,8 +52,9 @@ def multiprocessors(device: torch.device) -> int:
     return 4
 
 
+@functools.cache
 def _supports_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.cuda.get_device_capability(device_index)[0] >= 9  # (a device query: tens of us a launch, uncached)
 
 
 def pdl_launch(device: torch.device) -> dict:
