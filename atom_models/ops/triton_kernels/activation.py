@@ -14,6 +14,8 @@ from torch import Tensor
 from atom_models.ops.backend import register_impl
 from atom_models.ops.triton_kernels.common import (
     as_rows,
+    cdiv,
+    next_power_of_2,
     pdl_launch,
     row_launch,
     scale_group,
@@ -63,9 +65,9 @@ def silu_and_mul(x: Tensor) -> Tensor:
     rows = as_rows(x)
     n_cols = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], n_cols), dtype=x.dtype, device=x.device)
-    block = min(_CHUNK, triton.next_power_of_2(n_cols))
+    block = min(_CHUNK, next_power_of_2(n_cols))
     if rows.shape[0]:
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, block))](
+        _silu_and_mul_kernel[(rows.shape[0], cdiv(n_cols, block))](
             rows, out, rows.stride(0), n_cols, n_cols, BLOCK=block, num_warps=4, **pdl_launch(x.device)
         )
     return out

@@ -52,9 +52,11 @@ from atom_models.ops.backend import register_impl
 from atom_models.ops.quant import FP8_DTYPE
 from atom_models.ops.triton_kernels.common import (
     FP8_MAX_C,
+    cdiv,
     inline_scale_operands,
     last_to_arrive,
     multiprocessors,
+    next_power_of_2,
     pdl_launch,
     prefetch_to_l2,
     ticket_counters,
@@ -107,6 +109,7 @@ class AttentionConfig:
     tiles_beside_decodes: bool = True
 
 
+@functools.cache
 def default_config(head_dim: int) -> AttentionConfig:
     # From `benchmarks/bench_kernels.py --sweep` on H100 (head_dim 128, GQA 32/8). Prefill (5055e01): 256x64 tiles with
     # 8 warps led both cases (8x1024 causal 261 TFLOP/s against 255 for the 128x32 / 4 warps of before, 1x8192 426
@@ -796,9 +799,9 @@ def decode_splits(
     0.786 ms a step. (A served max_model_len under 33 tiles trims the full graph's launch the same way: unmeasured.)
     """
     waves = config.lone_decode_waves if num_seqs == 1 else config.decode_waves
-    splits = min(MAX_SPLITS, triton.cdiv(waves * multiprocessors(device), num_seqs * num_kv_heads))
+    splits = min(MAX_SPLITS, cdiv(waves * multiprocessors(device), num_seqs * num_kv_heads))
     if num_seqs == 1 and max_keys is not None:
-        splits = min(splits, max(2, triton.cdiv(max_keys, config.decode_block_n)))
+        splits = min(splits, max(2, cdiv(max_keys, config.decode_block_n)))
     return splits
 
 
@@ -832,10 +835,11 @@ def prefill_tiles(
     least a wave of such tiles, `small_block_m` rows otherwise. From shapes alone: a step's prefill tokens are at least
     `num_tokens - num_seqs + 1` (a decode has one token, a prefill chunk of a step with tiles at least one more).
     H100, Llama-3-8B, 167 decodes beside a 345-token chunk: 256-row tiles made 48 programs for 132 multiprocessors,
-    0.339 ms a layer against 0.317 with 64-row tiles at 4 warps (decodes alone 0.280); a 1024-token prompt alone 48.2
-    -> 36.4 us; a 2048-token chunk keeps the large tiles (0.749 against 0.773 ms; `bench_kernels.py --only decode`)."""
+    0.339 ms a layer against 0.316 with 64-row tiles at 4 warps, 0.295 launched beside the decodes (which take 0.280
+    alone); a 1024-token prompt alone 47.5 -> 36.3 us; a 2048-token chunk keeps the large tiles (0.748 against 0.773
+    ms; `bench_kernels.py --only decode`, twenty-sixth and twenty-seventh sessions)."""
     block_q = max(1, config.block_m // group_p)
-    if num_kv_heads * triton.cdiv(num_tokens - num_seqs + 1, block_q) >= multiprocessors(device):
+    if num_kv_heads * cdiv(num_tokens - num_seqs + 1, block_q) >= multiprocessors(device):
         return block_q, config.num_warps
     return max(1, config.small_block_m // group_p), config.small_warps
 
@@ -843,8 +847,8 @@ def prefill_tiles(
 def large_tile_tokens(num_kv_heads: int, num_q_heads: int, head_dim: int, device: torch.device) -> int:
     """The fewest prefill tokens of a one-sequence step with the large tiles (the export's warm-up compiles both)."""
     config = default_config(head_dim)
-    block_q = max(1, config.block_m // triton.next_power_of_2(num_q_heads // num_kv_heads))
-    return block_q * triton.cdiv(multiprocessors(device), num_kv_heads)
+    block_q = max(1, config.block_m // next_power_of_2(num_q_heads // num_kv_heads))
+    return block_q * cdiv(multiprocessors(device), num_kv_heads)
 
 
 class _TilesStream(NamedTuple):
@@ -888,7 +892,7 @@ def run_paged_attention(
     inline = inline_scales(kv_cache)
     if inline:
         (k_cache, k_scale), (v_cache, v_scale) = inline_scale_operands(k_cache), inline_scale_operands(v_cache)
-    group_p = triton.next_power_of_2(group)
+    group_p = next_power_of_2(group)
     num_splits = decode_splits(num_seqs, num_kv_heads, config, q.device, block_tables.shape[1] * block_size)
     decode_block_n, split_keys, merge_splits = _decode_variant(num_seqs, num_splits, group_p, head_dim, config)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -966,13 +970,13 @@ def run_paged_attention(
         DECODE_ONLY=False,
         TILES=True,
     )
-    tile_grid = (num_kv_heads * (triton.cdiv(num_tokens, block_q) + num_seqs),)
+    tile_grid = (num_kv_heads * (cdiv(num_tokens, block_q) + num_seqs),)
     launch_tiles = functools.partial(
         _attention_kernel[tile_grid], *args, **constexprs, **tiles, num_warps=tile_warps, num_stages=config.num_stages
     )
     beside = _tiles_stream(q.device) if config.tiles_beside_decodes and q.is_cuda else None
     if beside is not None:  # tiles launched first: their programs take multiprocessors before the decode programs do
-        main = torch.cuda.current_stream(q.device)
+        main = torch.cuda.current_stream()  # (Triton launches on the current device's: q's, as everywhere)
         beside.fork.record(main)
         beside.stream.wait_event(beside.fork)
         torch.cuda.set_stream(beside.stream)  # (a stream context costs more host time, in a host-bound step)

@@ -42,9 +42,11 @@ from atom_models.ops.quant import FP8_DTYPE, one_token
 from atom_models.ops.triton_kernels.activation import silu_and_mul, silu_and_mul_quant_fp8
 from atom_models.ops.triton_kernels.common import (
     as_rows,
+    cdiv,
     last_to_arrive,
     launch_next_kernel,
     multiprocessors,
+    next_power_of_2,
     pdl_launch,
     silu,
     ticket_counters,
@@ -80,9 +82,9 @@ def default_config(m: int, n: int, k: int, scale_k: int, device: torch.device) -
     block_k = 128 if scale_k >= k else min(128, scale_k & -scale_k)
     if m > 64:
         return GemmConfig(128, 128, block_k, 8, 8, 3)
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = max(16, next_power_of_2(m))
     programs_wanted = multiprocessors(device)
-    block_n = next((b for b in (128, 64) if triton.cdiv(n, b) >= programs_wanted), 32)
+    block_n = next((b for b in (128, 64) if cdiv(n, b) >= programs_wanted), 32)
     return GemmConfig(block_m, block_n, block_k, 8, 4, 4)
 
 
@@ -191,10 +193,10 @@ def _scale_arguments(x, xs, w_q, ws, bias, out, scale_block: tuple[int, int], co
     k = w_q.shape[1]
     along_k = scale_k < k
     grouped = xs.shape[1] > 1
-    if grouped and (not along_k or xs.shape[1] != triton.cdiv(k, scale_k)):
+    if grouped and (not along_k or xs.shape[1] != cdiv(k, scale_k)):
         raise ValueError(
             f"activation scales of {xs.shape[1]} groups fit neither one a token nor the weight's "
-            f"{triton.cdiv(k, scale_k)} blocks of {scale_k} columns"
+            f"{cdiv(k, scale_k)} blocks of {scale_k} columns"
         )
     strides = (
         x.stride(0),
@@ -239,7 +241,7 @@ def run_scaled_mm(
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m:
         strides, constants = _scale_arguments(x, x_scale, w_q, ws, bias, out, scale_block, config)
-        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+        grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n),)
         _scaled_mm_kernel[grid](
             x,
             x_scale,
@@ -314,7 +316,7 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
     on every shape (Qwen3-0.6B qkv 5.6 -> 6.4 us, Llama-3-8B o_proj 15.6 -> 16.1) and won on none.
     """
     sms = multiprocessors(device)
-    long_n = triton.cdiv(n, 64) >= 2 * sms
+    long_n = cdiv(n, 64) >= 2 * sms
     if m == 1 and scale_k >= k and n * k * weight_bytes <= GEMV_WEIGHT_FIRST_MAX_BYTES:
         return _weight_first_gemv_config(n, k, weight_bytes, sms)
     if m == 1 and scale_k >= k:
@@ -323,7 +325,7 @@ def skinny_config(m: int, n: int, k: int, scale_k: int, device: torch.device, we
         block_n = 128 if long_n and m > 16 else 64
         block_k = 256 // weight_bytes if scale_k >= k else min(128, scale_k & -scale_k)
         num_warps, num_stages, dot = 4, 4 if long_n else 5, True
-    programs, split_k, budget = triton.cdiv(n, block_n), 1, sms * 256 // weight_bytes
+    programs, split_k, budget = cdiv(n, block_n), 1, sms * 256 // weight_bytes
     while programs * split_k * 2 * block_k * weight_bytes <= budget and k // (split_k * 2) >= 4 * block_k:
         split_k *= 2
     return SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
@@ -350,16 +352,16 @@ def _weight_first_gemv_config(n: int, k: int, weight_bytes: int, sms: int) -> Sk
     More than 4 programs a multiprocessor (gate_up's 768) take a register cap that fits them all at once
     (REGISTERS_PER_SM): Qwen3-0.6B batch 1, graph replay 0.849-0.852 -> 0.837-0.843 ms (H100, fa913bc, 3 runs).
     """
-    block_k = min(triton.next_power_of_2(k), 4096)
+    block_k = min(next_power_of_2(k), 4096)
     block_n = max(1, min(8, GEMV_TILE_BYTES // (block_k * weight_bytes)))
-    while block_n > 1 and triton.cdiv(n, block_n) * triton.cdiv(k, block_k) < 2 * sms:
+    while block_n > 1 and cdiv(n, block_n) * cdiv(k, block_k) < 2 * sms:
         block_n //= 2
     num_warps = 4
-    programs_per_sm = triton.cdiv(triton.cdiv(n, block_n) * triton.cdiv(k, block_k), sms)
+    programs_per_sm = cdiv(cdiv(n, block_n) * cdiv(k, block_k), sms)
     max_registers = REGISTERS_PER_SM // (programs_per_sm * num_warps * 32) // 8 * 8
     if not GEMV_MIN_REGISTERS <= max_registers < 128:
         max_registers = None
-    return SkinnyConfig(block_n, block_k, triton.cdiv(k, block_k), num_warps, 1, False, max_registers)
+    return SkinnyConfig(block_n, block_k, cdiv(k, block_k), num_warps, 1, False, max_registers)
 
 
 # What `_skinny_mm_kernel`'s one-token GEMV does to x before multiplying: the op in front of a decode projection,
@@ -791,10 +793,10 @@ def run_skinny_mm(
     x_scale = _activation_scales(x_scale) if x_scaled else unused
     ws = ws if scaled else unused
     # Slices of whole K tiles; rounding may leave fewer slices than asked for, never an empty one.
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = cdiv(k, k_per_split)
     weight_first = k_per_split == config.block_k  # a slice is one tile (the norm or gating may have undone a split)
-    n_tiles = triton.cdiv(n, config.block_n)
+    n_tiles = cdiv(n, config.block_n)
     part = tickets = out  # unused without a split
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -824,7 +826,7 @@ def run_skinny_mm(
             split_k,
             *rope.sizes,
             *strides,
-            BLOCK_M=max(16, triton.next_power_of_2(m)) if config.dot else 1,
+            BLOCK_M=max(16, next_power_of_2(m)) if config.dot else 1,
             SCALED=scaled,
             X_SCALED=x_scaled,
             SPLIT=split_k > 1,

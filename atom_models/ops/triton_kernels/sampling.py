@@ -25,7 +25,7 @@ from atom_models.ops.sampling import (
     PHILOX_ROUND_A,
     PHILOX_ROUND_B,
 )
-from atom_models.ops.triton_kernels.common import last_to_arrive, ticket_counters
+from atom_models.ops.triton_kernels.common import cdiv, last_to_arrive, next_power_of_2, ticket_counters
 
 BLOCK = 4 * NOISE_QUARTER  # a slice: one noise block
 # As constexpr globals, so the kernel sees the reference's constants.
@@ -179,7 +179,7 @@ def sample_rows(
         return out
     if n_cols == 0:
         raise ValueError("sample_rows of empty rows")
-    splits = triton.cdiv(n_cols, BLOCK)
+    splits = cdiv(n_cols, BLOCK)
     part_value = torch.empty((rows, splits), dtype=torch.float32, device=logits.device)
     part_index = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
     _sample_kernel[(rows, splits)](
@@ -195,7 +195,7 @@ def sample_rows(
         n_cols,
         logits.stride(0),
         SPLITS=splits,
-        SPLITS_P=triton.next_power_of_2(splits),
+        SPLITS_P=next_power_of_2(splits),
         QUARTER=NOISE_QUARTER,
         ADVANCE=advance is not None,
         num_warps=4,
@@ -221,4 +221,4 @@ def carry_tokens(input_ids: Tensor, carry_to: Tensor, carry_from: Tensor, sample
     if carry_from.shape != (n,) or input_ids.dtype != sampled.dtype:
         raise ValueError("carry_tokens takes a source row for each target and tokens of the input ids' dtype")
     if n:
-        _carry_kernel[(triton.cdiv(n, CARRY_BLOCK),)](input_ids, carry_to, carry_from, sampled, n, BLOCK=CARRY_BLOCK)
+        _carry_kernel[(cdiv(n, CARRY_BLOCK),)](input_ids, carry_to, carry_from, sampled, n, BLOCK=CARRY_BLOCK)
