@@ -9,6 +9,7 @@ benchmark_serving's random dataset; ignore_eos makes every request run to its le
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from bench_common import device_name, dummy_artifact, print_table, write_json
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.config import KV_CACHE_DTYPES
+from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--passes", default=None, help="export with these passes (see atom-compile passes)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--cudagraph-mode", default=EngineConfig.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument("--out", type=Path, default=Path("bench_offline.json"))
     args = parser.parse_args()
 
@@ -50,15 +52,18 @@ def main() -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max(i + o for i, o in zip(input_lens, output_lens, strict=True)) + 1,
             kv_cache_dtype=args.kv_cache_dtype,
+            cudagraph_mode=args.cudagraph_mode,
         )
         vocab = llm.engine.core.runner.model.config.vocab_size
         prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in input_lens]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
         llm.generate(prompt_token_ids=prompts[:4], sampling_params=params[:4])  # warm-up
+        before = dataclasses.replace(llm.engine.core.stats)
         started = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
         seconds = time.perf_counter() - started
         stats = llm.engine.core.stats
+        steps = stats.num_steps - before.num_steps
         blocks = llm.engine.core.block_manager
         kv_tokens = blocks.num_blocks * blocks.block_size  # what the cache holds: with preemptions, what moved a run
         llm.shutdown()
@@ -70,8 +75,12 @@ def main() -> None:
         "output_tok_s": generated / seconds,
         "total_tok_s": (generated + sum(input_lens)) / seconds,
         "preemptions": stats.num_preemptions,
-        "steps": stats.num_steps,
+        "steps": steps,
         "kv_cache_tokens": kv_tokens,
+        # The host's time a step queueing steps, and blocked on the device: a run that waits little is host-bound
+        "launch_ms": (stats.launch_time_s - before.launch_time_s) / steps * 1e3,
+        "wait_ms": (stats.wait_time_s - before.wait_time_s) / steps * 1e3,
+        "cudagraph_mode": args.cudagraph_mode,
     }
     print_table(
         f"offline, {args.artifact.name if args.artifact else args.preset}, "
@@ -87,6 +96,8 @@ def main() -> None:
             ("preemptions", "preempt", "d"),
             ("steps", "steps", "d"),
             ("kv_cache_tokens", "KV tokens", "d"),
+            ("launch_ms", "launch ms", ".2f"),
+            ("wait_ms", "wait ms", ".2f"),
         ],
     )
     write_json(

@@ -25,7 +25,7 @@ import torch
 from bench_common import device_name, print_table, write_json
 
 from atom_models.llama import head_dim_of
-from atom_runtime.config import EngineConfig
+from atom_runtime.config import CUDAGRAPH_MODES, EngineConfig
 from atom_runtime.loading import create_core
 from atom_runtime.sampling_params import SamplingParams
 
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--cudagraph-mode", default=EngineConfig.cudagraph_mode, choices=CUDAGRAPH_MODES)
     parser.add_argument("--warm-steps", type=int, default=350)
     parser.add_argument("--timed-steps", type=int, default=40)
     parser.add_argument("--profiled-steps", type=int, default=6)
@@ -53,6 +54,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len + 1,
+        cudagraph_mode=args.cudagraph_mode,
     )
     core, _ = create_core(args.artifact, config=config)
     cuda = core.runner.device.type == "cuda"
