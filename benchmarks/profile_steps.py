@@ -8,7 +8,8 @@ random tokens and `--output-len` tokens to generate, steps `--warm-steps` times,
 (wall time, the engine overlapping host and GPU as it does when serving) and profiles `--profiled-steps` more under
 torch.profiler: each CUDA kernel's device time a step, largest first (on a CPU: each op's own CPU time). Also what
 the steps held: sequences, tokens (prefill tokens ride along in mixed steps), the context their decodes read, and that
-context's KV bytes over the attention kernels' time a step.
+context's KV bytes over the attention kernels' time a step; and the host's phases a step (launch: preparing and
+queueing it, wait: blocked on the device), with `--host-profile` a cProfile of the timed steps.
 """
 
 from __future__ import annotations
