@@ -351,25 +351,18 @@ class AsyncEngine:
             completion = state.completions[index]
             if completion.finish_reason is not None:
                 continue  # already ended by a stop string; the core has been told
-            if row in output.refused:  # ends without this token
-                if completion.detokenizer is not None:
-                    completion.detokenizer.flush()
-                completion.finish_reason, completion.stop_reason = finished[row]
-                ended.add(request_id)
-                state.metrics.num_cached_tokens = output.num_cached_tokens[row]
-                changed[request_id] = state
-                continue
-            completion.token_ids.append(token)
-            if completion.logprobs is not None and output.sampled.logprobs is not None:
-                entry = self._logprob_entry(output.sampled, row, state.params.logprobs, state.params.detokenize)
-                completion.logprobs.append(entry)
-                completion.cumulative_logprob += entry[token].logprob
-            if output.prompt_scores and row in output.prompt_scores and state.prompt_logprobs is None:
-                scores, k, text = output.prompt_scores[row], state.params.prompt_logprobs, state.params.detokenize
-                state.prompt_logprobs = [None]
-                state.prompt_logprobs += [self._logprob_entry(scores, i, k, text) for i in range(len(scores.token_ids))]
-            detokenizer = completion.detokenizer
-            stop = detokenizer.add(token) if detokenizer is not None else None
+            detokenizer, stop = completion.detokenizer, None
+            if row not in output.refused:  # (a token its grammar refused: the completion ends without it)
+                completion.token_ids.append(token)
+                if completion.logprobs is not None and output.sampled.logprobs is not None:
+                    entry = self._logprob_entry(output.sampled, row, state.params.logprobs, state.params.detokenize)
+                    completion.logprobs.append(entry)
+                    completion.cumulative_logprob += entry[token].logprob
+                if output.prompt_scores and row in output.prompt_scores and state.prompt_logprobs is None:
+                    scores, k, text = output.prompt_scores[row], state.params.prompt_logprobs, state.params.detokenize
+                    entries = [self._logprob_entry(scores, i, k, text) for i in range(len(scores.token_ids))]
+                    state.prompt_logprobs = [None, *entries]
+                stop = detokenizer.add(token) if detokenizer is not None else None
             if stop is not None:
                 completion.finish_reason, completion.stop_reason = "stop", stop
                 ended.add(request_id)
