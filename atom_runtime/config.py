@@ -7,9 +7,10 @@ from dataclasses import dataclass
 # fp8: e4m3 with per-tensor scales (the checkpoint's, else 1.0); fp8_per_token_head: e4m3 with a scale per token and
 # head, computed as each entry is written and kept in the cache (see `atom_models.ops.attention`).
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_per_token_head")
-# NONE: no graphs. FULL: the whole forward of pure-decode batches replays a captured graph.
+# NONE: no graphs. FULL: whole steps replay captured graphs: pure-decode batches by batch size, prefill and mixed
+# steps of up to the largest capture size of tokens by (tokens, sequences) buckets, as vLLM's FULL.
 # PIECEWISE: the compiled pieces between attention ops replay graphs per token count, for every step.
-# FULL_AND_PIECEWISE: FULL for pure-decode batches, PIECEWISE for prefill and mixed ones.
+# FULL_AND_PIECEWISE: FULL's graphs for pure-decode batches, PIECEWISE for prefill and mixed ones.
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
 DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8, *range(16, 513, 16)]
 
@@ -59,6 +60,12 @@ class EngineConfig:
         if self.enforce_eager or self.cudagraph_mode not in ("FULL", "FULL_AND_PIECEWISE"):
             return []
         return sorted({s for s in self._capture_sizes() if s <= self.max_num_seqs})
+
+    def mixed_graph_sizes(self) -> list[int]:
+        """Token counts to capture FULL graphs of prefill and mixed steps for: in FULL mode only."""
+        if self.enforce_eager or self.cudagraph_mode != "FULL":
+            return []
+        return sorted({s for s in self._capture_sizes() if s <= self.max_num_batched_tokens})
 
     def piecewise_capture_sizes(self) -> list[int]:
         """Token counts to capture PIECEWISE graphs for: none when eager or not *PIECEWISE."""

@@ -56,19 +56,35 @@ def fits_short_graph(num_seqs: int, context: int) -> bool:
     return num_seqs == 1 and context <= SHORT_CONTEXT
 
 
+# Sequence buckets of FULL graphs of prefill and mixed steps: a step's sequences are padded up to one (its attention
+# launch's grid and splits follow from the count), its tokens then up to a token size.
+MIXED_SEQS = (4, 16, 64, 256)
+
+
 class GraphKey(NamedTuple):
-    """A captured decode graph: its batch size, and the block-table columns it reads (None: all of them)."""
+    """A captured graph: its sequences, the block-table columns it reads (None: all of them), and its tokens (None:
+    a decode graph's, one a sequence)."""
 
     size: int
     table_blocks: int | None = None
+    tokens: int | None = None
 
 
-class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, sizes: list[int], pool):
+def mixed_seq_buckets(max_seqs: int) -> list[int]:
+    return sorted({s for s in MIXED_SEQS if s < max_seqs} | {max_seqs})
+
+
+class FullGraphs:
+    """Whole-step graphs: decode batches by batch size and, given `mixed_tokens`, prefill and mixed steps by (tokens,
+    sequences) buckets (no prompt_logprobs rows), their samples drawn after the graph as the piecewise path's are."""
+
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool, mixed_tokens: list[int] = ()):
         self.runner = runner
         self.sizes = sorted(sizes)
+        self.mixed_tokens = sorted(mixed_tokens)
+        self.mixed_seqs = mixed_seq_buckets(runner.inputs.max_seqs) if mixed_tokens else []
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[GraphKey, tuple[Tensor, Tensor]] = {}  # (logits, each row's drawn token)
+        self.outputs: dict[GraphKey, tuple[Tensor, Tensor | None]] = {}  # (logits, each row's drawn token)
         self.pool = pool
         self.short_blocks = self.short_graph_blocks(
             sizes, runner.inputs.block_tables.shape[1], runner.inputs.block_size
@@ -80,33 +96,56 @@ class DecodeGraphs:
         too narrow for it to matter)."""
         return short_table_blocks(max_blocks, block_size) if 1 in sizes else None
 
-    def keys(self) -> list[GraphKey]:
-        """Every graph to capture, largest first."""
+    def capture_keys(self) -> list[GraphKey]:
+        """Every graph to capture, largest first (in tokens)."""
         short = [GraphKey(1, self.short_blocks)] if self.short_blocks else []
-        return [GraphKey(size) for size in reversed(self.sizes)] + short
+        mixed = [GraphKey(s, None, t) for t in self.mixed_tokens for s in self.mixed_seqs if s < t]
+        keys = [GraphKey(size) for size in self.sizes] + mixed
+        return sorted(keys, key=lambda k: (k.tokens or k.size, k.size), reverse=True) + short
 
     def key_for(self, chunks: list[ScheduledChunk]) -> GraphKey | None:
         """The captured graph that runs this step, or None if it must run outside the graphs."""
         if not all(c.num_tokens == 1 and c.samples for c in chunks):
-            return None
+            return self._mixed_key(chunks) if self.mixed_tokens else None
         if self.short_blocks and fits_short_graph(len(chunks), chunks[0].start + 1):
             return GraphKey(1, self.short_blocks)
         at = bisect.bisect_left(self.sizes, len(chunks))
         return GraphKey(self.sizes[at]) if at < len(self.sizes) else None
 
+    def _mixed_key(self, chunks: list[ScheduledChunk]) -> GraphKey | None:
+        """A prefill or mixed step's graph: sequences padded to a bucket, then tokens (the padding sequences' one
+        each included) to a token size past them."""
+        if any(c.scored for c in chunks):
+            return None
+        at = bisect.bisect_left(self.mixed_seqs, len(chunks))
+        if at == len(self.mixed_seqs):
+            return None
+        seqs = self.mixed_seqs[at]
+        tokens = sum(c.num_tokens for c in chunks) + seqs - len(chunks)
+        at = bisect.bisect_left(self.mixed_tokens, max(tokens, seqs + 1))
+        return GraphKey(seqs, None, self.mixed_tokens[at]) if at < len(self.mixed_tokens) else None
+
+    def load(self, key: GraphKey, chunks: list[ScheduledChunk], in_flight: Tensor | None = None) -> tuple[int, ...]:
+        """Write a step's inputs as `key`'s graph reads them; returns their (tokens, seqs, logits) counts."""
+        if key.tokens is None:
+            return self.runner.inputs.load(chunks, pad_seqs_to=key.size, in_flight=in_flight)
+        return self.runner.inputs.load(
+            chunks, pad_seqs_to=key.size, in_flight=in_flight, pad_tokens_to=key.tokens, pad_logits_to=key.size
+        )
+
     @torch.inference_mode()
     def capture(self, keys: list[GraphKey] | None = None, progress: bool = True) -> None:
         inputs = self.runner.inputs
-        for key in tqdm(
-            keys or self.keys(), desc="Capturing CUDA graphs", unit="graph", disable=not progress, file=sys.stderr
-        ):
-            size = key.size
-            args = self.runner._step_args(*inputs.load([], pad_seqs_to=size), table_blocks=key.table_blocks)
-            draws = inputs.draws(size)
+        keys = keys or self.capture_keys()
+        for key in tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not progress, file=sys.stderr):
+            args = self.runner._step_args(*self.load(key, []), table_blocks=key.table_blocks)
+            draws = inputs.draws(key.size)
 
-            def step(args=args, draws=draws) -> tuple[Tensor, Tensor]:
+            def step(args=args, draws=draws, decode=key.tokens is None) -> tuple[Tensor, Tensor | None]:
                 input_ids, positions, _, meta, _ = args
                 logits = self.runner.model.forward(*args)
+                if not decode:
+                    return logits, None
                 # into the input ids, and the inputs one token on, as the batch's next step finds them (StepInputs)
                 advance = (positions, meta.slot_mapping, meta.seq_lens)
                 return logits, sample_rows(logits, *draws, out=input_ids, advance=advance)
@@ -119,10 +158,11 @@ class DecodeGraphs:
             self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def replay(self, key: GraphKey) -> tuple[Tensor, Tensor]:
-        """(logits, each row's drawn token): tokens come out of the graph, with no launch of their own."""
+    def replay(self, key: GraphKey) -> tuple[Tensor, Tensor | None]:
+        """(logits, each row's drawn token): a decode graph's tokens come out of it, with no launch of their own."""
         self.graphs[key].replay()
-        self.runner.inputs.graph_drew(key.size)
+        if key.tokens is None:
+            self.runner.inputs.graph_drew(key.size)
         return self.outputs[key]
 
 

@@ -104,14 +104,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=str.upper,
         choices=CUDAGRAPH_MODES,
         default=_DEFAULTS.cudagraph_mode,
-        help="FULL: decode batches replay whole-step CUDA graphs; PIECEWISE: the compiled pieces between attention "
-        "ops replay graphs per token count; FULL_AND_PIECEWISE (default): FULL for decode, PIECEWISE otherwise; NONE",
+        help="FULL: whole steps replay CUDA graphs (decode batches, and prefill and mixed steps up to the largest "
+        "capture size of tokens); PIECEWISE: the compiled pieces between attention ops replay graphs per token count; "
+        "FULL_AND_PIECEWISE (default): FULL's for decode, PIECEWISE otherwise; NONE",
     )
     group.add_argument(
         "--cudagraph-capture-sizes",
         type=capture_sizes,
         default=_DEFAULTS.cudagraph_capture_sizes,
-        help='batch sizes to capture (sequences for FULL graphs, tokens for PIECEWISE), as a list: "[1,2,4,8,16,32]" '
+        help="sizes to capture (sequences for decode graphs, tokens for PIECEWISE graphs and FULL graphs of mixed "
+        'steps), as a list: "[1,2,4,8,16,32]" '
         "(default: 1, 2, 4, 8, 16, 32, ..., 512)",
     )
     group.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="random seed")

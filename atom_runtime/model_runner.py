@@ -23,7 +23,7 @@ from atom_models.llama import head_dim_of
 from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
-from atom_runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from atom_runtime.cuda_graphs import FullGraphs, PiecewiseGraphs, mixed_seq_buckets
 from atom_runtime.sampler import DeviceSample, Draws, Sampler, on_device, with_logprobs
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.scheduler import PROMPT_LOGPROB_ROWS, ScheduledChunk
@@ -66,6 +66,7 @@ class ModelRunner:
         self.max_model_len = config.max_model_len
         cuda = self.device.type == "cuda"
         self.capture_sizes = config.graph_capture_sizes() if cuda else []
+        self.mixed_sizes = config.mixed_graph_sizes() if cuda else []
         self.piecewise_sizes = config.piecewise_capture_sizes() if cuda else []
         if self.piecewise_sizes and not isinstance(model.forward, CompiledModel):
             logger.info("piecewise CUDA graphs need a compiled artifact; prefill and mixed steps run eagerly")
@@ -87,12 +88,12 @@ class ModelRunner:
             if self.device.type == "cuda"
             else []
         )
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: FullGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        if self.capture_sizes or self.piecewise_sizes:
+        if self.capture_sizes or self.mixed_sizes or self.piecewise_sizes:
             pool = torch.cuda.graph_pool_handle()  # one pool for all graphs (see atom_runtime.cuda_graphs)
-            if self.capture_sizes:
-                self.graphs = DecodeGraphs(self, self.capture_sizes, pool)
+            if self.capture_sizes or self.mixed_sizes:
+                self.graphs = FullGraphs(self, self.capture_sizes, pool, self.mixed_sizes)
                 self.graphs.capture()
             if self.piecewise_sizes:
                 self.piecewise = PiecewiseGraphs(model.forward, self.piecewise_sizes, pool)
@@ -145,7 +146,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         activation_peak = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
-        graph_bytes = self._graph_memory() if self.capture_sizes or self.piecewise_sizes else 0
+        graph_bytes = self._graph_memory() if self.capture_sizes or self.mixed_sizes or self.piecewise_sizes else 0
         free, total = torch.cuda.mem_get_info()
         available = total * self.config.gpu_memory_utilization - (total - free) - activation_peak - graph_bytes
         num_blocks = int(available // self.block_bytes)
@@ -159,16 +160,18 @@ class ModelRunner:
 
     def _graph_memory(self) -> int:
         """Memory the graphs will hold: the largest of each kind captured over a one-block cache, with margin."""
-        size = max(self.capture_sizes + self.piecewise_sizes)
+        size = max(self.capture_sizes + self.mixed_sizes + self.piecewise_sizes)
         cache = self.empty_kv_cache(1)
         self.kv_caches = [cache] * self.num_layers
-        self.inputs = StepInputs(size, size, 1, self.block_size, self.device)
+        self.inputs = StepInputs(size, self.config.max_num_seqs, 1, self.block_size, self.device)
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        trials: list[DecodeGraphs | PiecewiseGraphs] = []
-        if self.capture_sizes:
-            trials.append(DecodeGraphs(self, [max(self.capture_sizes)], pool))
-            trials[-1].capture(progress=False)
+        trials: list[FullGraphs | PiecewiseGraphs] = []
+        if self.capture_sizes or self.mixed_sizes:
+            trial = FullGraphs(self, self.capture_sizes[-1:], pool, self.mixed_sizes[-1:])
+            decode, mixed = ([k for k in trial.capture_keys() if (k.tokens is None) == d][:1] for d in (True, False))
+            trial.capture(decode + mixed, progress=False)  # the largest of each kind
+            trials.append(trial)
         if self.piecewise_sizes:
             trial = PiecewiseGraphs(self.model.forward, [max(self.piecewise_sizes)], pool)
             if trial.num_graphed:
@@ -179,8 +182,9 @@ class ModelRunner:
         del trials, self.kv_caches, self.inputs, cache
         torch.cuda.empty_cache()
         max_blocks = -(-self.max_model_len // self.block_size)
-        short = DecodeGraphs.short_graph_blocks(self.capture_sizes, max_blocks, self.block_size) is not None
-        graphs = len(self.capture_sizes + self.piecewise_sizes) + int(short)
+        short = FullGraphs.short_graph_blocks(self.capture_sizes, max_blocks, self.block_size) is not None
+        mixed = sum(s < t for t in self.mixed_sizes for s in mixed_seq_buckets(self.config.max_num_seqs))
+        graphs = len(self.capture_sizes + self.piecewise_sizes) + mixed + int(short)
         return int(used * 1.2) + (2 << 20) * graphs
 
     def profile_run(self) -> None:
@@ -254,7 +258,7 @@ class ModelRunner:
         graph_key = self.graphs.key_for(chunks) if self.graphs is not None else None
         drawn = None
         if graph_key is not None:
-            self.inputs.load(chunks, pad_seqs_to=graph_key.size, in_flight=previous)
+            self.graphs.load(graph_key, chunks, in_flight=previous)
             logits, drawn = self.graphs.replay(graph_key)
         elif self.piecewise is not None:
             tokens = self.piecewise.size_for(sum(c.num_tokens for c in chunks))
@@ -266,8 +270,9 @@ class ModelRunner:
             logits = self.model.forward(*self._step_args(*sizes))
         sampling = [c.seq for c in chunks if c.samples]
         n = len(sampling)
-        # Rows past the sampled ones: a decode graph's padding, or else prompt positions scored for prompt_logprobs.
-        prompt = self._score_prompts(chunks, logits[n:]) if logits.shape[0] > n and drawn is None else None
+        # Rows past the sampled ones: a graph's padding, or else prompt positions scored for prompt_logprobs.
+        scores = graph_key is None and logits.shape[0] > n
+        prompt = self._score_prompts(chunks, logits[n:]) if scores else None
         if not sampling and prompt is None:
             return None
         if sampling:

@@ -172,24 +172,25 @@ class StepInputs:
         pad_seqs_to: int | None = None,
         in_flight: Tensor | None = None,
         pad_tokens_to: int | None = None,
+        pad_logits_to: int | None = None,
     ) -> tuple[int, int, int]:
         """Write one step; returns (tokens, seqs, logits) counts, padding included.
 
-        `pad_seqs_to` (for FULL CUDA graphs of decode batches) adds one-token sequences that write
+        `pad_seqs_to` (for FULL CUDA graphs) adds one-token sequences after the step's own that write
         nowhere (slot -1), read one cached position, and whose logits are discarded.
-        `pad_tokens_to` (for PIECEWISE graphs) adds tokens of no sequence: they write nowhere and
-        attention zeroes them. `in_flight` holds the token ids sampled by the previous step, for
-        sequences whose last token is a placeholder (`carry_tokens` puts them in the input ids).
+        `pad_tokens_to` (for PIECEWISE graphs, and FULL graphs of mixed steps) adds tokens of no sequence after
+        those, up to that many tokens in all: they write nowhere and attention zeroes them. `pad_logits_to` (FULL
+        graphs of mixed steps) adds logits rows of token 0. `in_flight` holds the token ids sampled by the previous
+        step, for sequences whose last token is a placeholder (`carry_tokens` puts them in the input ids).
         """
         num_seqs = len(chunks)
         tokens = sum(c.num_tokens for c in chunks)
         logits = sum(c.samples for c in chunks)
         scored = sum(len(c.scored) for c in chunks)
-        if pad_tokens_to is not None:
-            tokens = max(tokens, pad_tokens_to)
         padded_seqs = max(num_seqs, pad_seqs_to or 0)
         pad = padded_seqs - num_seqs
-        shape = (tokens + pad, padded_seqs, logits + scored + pad)
+        rows = logits + scored + pad
+        shape = (max(tokens + pad, pad_tokens_to or 0), padded_seqs, max(rows, pad_logits_to or 0))
         fields, host_fields = self.fields(*shape)
         arrays, held, copied = host_fields[self.turn], self.host_tables[self.turn], self.copied[self.turn]
         tables = self.host_block_arrays[self.turn]
@@ -214,11 +215,6 @@ class StepInputs:
             arrays["slot_mapping"],
             arrays["query_start_loc"],
         )
-        if pad_tokens_to is not None and pad_tokens_to > t:
-            ids[t:pad_tokens_to] = 0
-            pos[t:pad_tokens_to] = 0
-            slots[t:pad_tokens_to] = -1
-            t = pad_tokens_to
         if pad:
             ids[t : t + pad] = 0
             pos[t : t + pad] = 0
@@ -227,10 +223,16 @@ class StepInputs:
             held[num_seqs:padded_seqs] = [PADDING] * pad
             arrays["seq_lens"][num_seqs:padded_seqs] = 1
             qsl[num_seqs + 1 : padded_seqs + 1] = np.arange(t + 1, t + pad + 1)
-            arrays["logits_indices"][logits : logits + pad] = np.arange(t, t + pad)
-            arrays["temperature"][logits : logits + pad] = 0.0  # greedy: any seed, any position
-            arrays["sample_seeds"][logits : logits + pad] = 0
-            arrays["sample_positions"][logits : logits + pad] = 0
+            arrays["logits_indices"][rows - pad : rows] = np.arange(t, t + pad)
+        if shape[0] > t + pad:
+            ids[t + pad :] = 0
+            pos[t + pad :] = 0
+            slots[t + pad :] = -1
+        if shape[2] > rows - pad:  # padding rows: greedy draws (any seed, any position) of token 0's logits
+            arrays["logits_indices"][rows:] = 0
+            arrays["temperature"][rows - pad :] = 0.0
+            arrays["sample_seeds"][rows - pad :] = 0
+            arrays["sample_positions"][rows - pad :] = 0
         if carried and in_flight is None:
             raise RuntimeError("a sequence waits for a token that no step in flight is sampling")
         # A decode graph draws its tokens into its own input ids: where a batch of decodes finds each sequence's
@@ -238,7 +240,7 @@ class StepInputs:
         drawn_here = in_flight is not None and in_flight.data_ptr() == self.device_bytes.data_ptr()
         in_place = (
             drawn_here
-            and carried == num_seqs == t
+            and carried == num_seqs == shape[0] - pad
             and np.array_equal(arrays["carry_from"][:carried], self.iota[:carried])
         )
         if drawn_here and carried and not in_place:  # the upload overwrites them: aside first

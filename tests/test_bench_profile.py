@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from atom_runtime.block_manager import BlockManager
-from atom_runtime.cuda_graphs import SHORT_CONTEXT, DecodeGraphs, GraphKey
+from atom_runtime.cuda_graphs import SHORT_CONTEXT, FullGraphs, GraphKey
 from atom_runtime.step_inputs import StepInputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -34,7 +34,7 @@ def test_decode_graph_inputs_pick_the_engines_graph():
     the short batch-1 graph), or none where the engine has none; the blocks they borrow go back."""
     block_size, max_blocks = 16, 4 * SHORT_CONTEXT // 16
     runner = SimpleNamespace(inputs=StepInputs(64, 4, max_blocks, block_size, torch.device("cpu")))
-    runner.graphs = DecodeGraphs(runner, [1, 2], pool=None)  # nothing captured: the keys alone
+    runner.graphs = FullGraphs(runner, [1, 2], pool=None)  # nothing captured: the keys alone
     blocks = BlockManager(1024, block_size)
     llm = SimpleNamespace(engine=SimpleNamespace(core=SimpleNamespace(runner=runner, block_manager=blocks)))
     short = GraphKey(1, SHORT_CONTEXT // block_size)

@@ -43,11 +43,11 @@ from atom_runtime import LLM, SamplingParams, cuda_graphs
 # it, then through the full batch-1 graph.
 cuda_graphs.SHORT_CONTEXT = 58
 replayed = set()
-replay = cuda_graphs.DecodeGraphs.replay
+replay = cuda_graphs.FullGraphs.replay
 def recording_replay(self, key):
     replayed.add((key.size, key.table_blocks or 0))
     return replay(self, key)
-cuda_graphs.DecodeGraphs.replay = recording_replay
+cuda_graphs.FullGraphs.replay = recording_replay
 # 8-token steps: the long prompt prefills in chunks, beside the others' decodes (piecewise graphs)
 llm = LLM(sys.argv[1], cudagraph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=8, kv_cache_dtype=sys.argv[2])
 runner = llm.engine.core.runner

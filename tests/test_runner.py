@@ -56,6 +56,31 @@ def test_padded_decode_step_equals_unpadded(runner):
         block_manager.free(seq)
 
 
+def test_padded_mixed_step_equals_unpadded(runner):
+    """A mixed step laid out as a FULL graph of it reads it (sequences padded with one-token ones, then tokens of no
+    sequence, then logits rows of token 0) gives the same logits for its own rows and writes the same cache."""
+    runner, block_manager = runner
+    seqs = prefilled(runner, block_manager, [[5, 6, 7, 8, 9], [10, 11]])
+    prompt = Sequence("p", 0, [21, 22, 23, 24, 25, 26, 27], SamplingParams(temperature=0))
+    assert block_manager.allocate(prompt, 4)
+    chunks = [ScheduledChunk(s, s.num_tokens - 1, 1) for s in seqs] + [ScheduledChunk(prompt, 0, 4)]
+    cache_before = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        plain = runner.model.forward(*runner._step_args(*runner.inputs.load(chunks))).clone()
+        cache_plain = [c.clone() for c in runner.kv_caches]
+        for c, before in zip(runner.kv_caches, cache_before, strict=True):
+            c.copy_(before)
+        shape = runner.inputs.load(chunks, pad_seqs_to=4, pad_tokens_to=16, pad_logits_to=4)
+        assert shape == (16, 4, 4)
+        padded = runner.model.forward(*runner._step_args(*shape))
+    assert plain.shape[0] == 2  # the decodes sample; the prompt's chunk does not
+    torch.testing.assert_close(padded[:2], plain)
+    for c, expected in zip(runner.kv_caches, cache_plain, strict=True):
+        torch.testing.assert_close(c, expected, rtol=0, atol=0)
+    for seq in [*seqs, prompt]:
+        block_manager.free(seq)
+
+
 def test_profile_run_holds_the_most_logits_a_step_returns(runner, monkeypatch):
     """The KV budget is what is left after the profile step's peak: it computes a logits row for every sequence a
     step may sample and every prompt position it may score (prompt_logprobs), scores them, and samples the rows
@@ -88,6 +113,9 @@ def test_capture_sizes_follow_config():
         assert eager.graph_capture_sizes() == eager.piecewise_capture_sizes() == []
     assert EngineConfig(cudagraph_mode="piecewise").graph_capture_sizes() == []
     assert EngineConfig(cudagraph_mode="full").piecewise_capture_sizes() == []
+    assert EngineConfig(cudagraph_mode="full", max_num_batched_tokens=40).mixed_graph_sizes() == [1, 2, 4, 8, 16, 32]
+    assert EngineConfig().mixed_graph_sizes() == []  # FULL_AND_PIECEWISE: piecewise graphs for them
+    assert EngineConfig(cudagraph_mode="full", enforce_eager=True).mixed_graph_sizes() == []
     assert EngineConfig(cudagraph_capture_sizes=[3, 1, 3]).graph_capture_sizes() == [1, 3]
     with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
         EngineConfig(cudagraph_mode="SOMETIMES")
@@ -112,6 +140,29 @@ def test_cuda_graph_decode_equals_eager(tiny_llama):
     finally:
         graphed.shutdown()
         eager.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_full_graphs_of_mixed_steps_equal_piecewise(tiny_llama):
+    """FULL mode: prefill chunks beside decodes replay whole-step graphs of their (tokens, sequences) buckets (the
+    attention's tile stream forked and joined inside them) and generate what the default mode's piecewise graphs do
+    (which pad the same steps' tokens to the same sizes, so their GEMMs see the same shapes)."""
+    prompts = ["Hello", "The quick brown fox jumps over the lazy dog " * 3, "a b c", "x y z " * 5]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sizes = dict(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], max_num_batched_tokens=32)
+    graphed = LLM(tiny_llama, device="cuda", cudagraph_mode="FULL", **sizes)
+    piecewise = LLM(tiny_llama, device="cuda", **sizes)
+    try:
+        graphs = graphed.engine.core.runner.graphs
+        replayed, replay = [], graphs.replay
+        graphs.replay = lambda key: replayed.append(key) or replay(key)
+        assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == [
+            o.outputs[0].token_ids for o in piecewise.generate(prompts, params)
+        ]
+        assert any(key.tokens for key in replayed) and any(key.tokens is None for key in replayed)
+    finally:
+        graphed.shutdown()
+        piecewise.shutdown()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -334,7 +385,7 @@ def test_step_inputs_find_tokens_a_decode_graph_drew_in_place(monkeypatch):
 
 
 def draw_as_a_decode_graph(inputs: StepInputs, shape: tuple[int, int, int]) -> torch.Tensor:
-    """What a decode graph's draw does to its step's fields (`DecodeGraphs`): random tokens into its input ids,
+    """What a decode graph's draw does to its step's fields (`FullGraphs`): random tokens into its input ids,
     returned, and its positions, slots, lengths and draw positions one token on (`sample_rows`' `advance`)."""
     fields = inputs.fields(*shape)[0]
     advance_decode_inputs(fields["sample_positions"], (fields["positions"], fields["slot_mapping"], fields["seq_lens"]))
@@ -463,13 +514,19 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
                 known[chunk.seq] = (last, int(drawn[before]))
                 chunk.seq.token_ids[last], chunk.seq.sample_row = PLACEHOLDER, before
         decode_only = all(c.num_tokens == 1 for c in chunks)
-        if not steady:
-            pad_seqs = len(chunks) + rng.randrange(0, 5) if decode_only and rng.random() < 0.5 else None
-        pad_tokens = (
-            None if steady or pad_seqs or rng.random() < 0.7 else sum(c.num_tokens for c in chunks) + rng.randrange(6)
-        )
+        if not steady:  # padded as a decode graph's step, or (not decode only) as a mixed step's graph
+            pad_seqs = len(chunks) + rng.randrange(0, 5) if rng.random() < 0.5 else None
+        num_tokens, pad_logits = sum(c.num_tokens for c in chunks), None
+        pad_tokens = None if steady or pad_seqs or rng.random() < 0.7 else num_tokens + rng.randrange(6)
+        if pad_seqs and not decode_only:
+            pad_tokens = num_tokens + min(pad_seqs, max_seqs) - len(chunks) + rng.randrange(4)
+            pad_logits = min(pad_seqs, max_seqs) + rng.randrange(3)
         shape = inputs.load(
-            chunks, pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs), in_flight=in_flight, pad_tokens_to=pad_tokens
+            chunks,
+            pad_seqs_to=pad_seqs and min(pad_seqs, max_seqs),
+            in_flight=in_flight,
+            pad_tokens_to=pad_tokens,
+            pad_logits_to=pad_logits,
         )
         # a step a decode graph could run: one token a sequence, each sampled (padded with sequences, if at all)
         graph_step = decode_only and shape[0] == shape[1] == shape[2]
@@ -492,10 +549,19 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
         assert device["query_start_loc"][: len(starts)].tolist() == starts
         for row, chunk in enumerate(chunks):
             assert inputs.block_tables[row, : len(chunk.seq.block_table)].tolist() == chunk.seq.block_table
-        if pad_seqs:
+        if pad_seqs:  # one-token sequences right after the step's own, then tokens of no sequence
             padded = min(pad_seqs, max_seqs)
+            pad = padded - len(chunks)
             assert not inputs.block_tables[len(chunks) : padded].any()
-            assert device["slot_mapping"][len(ids) : len(ids) + padded - len(chunks)].eq(-1).all()
+            assert device["slot_mapping"][len(ids) :].eq(-1).all()
+            assert device["seq_lens"][len(chunks) : padded].eq(1).all()
+            assert device["query_start_loc"][len(starts) :].tolist() == list(range(len(ids) + 1, len(ids) + pad + 1))
+            sampled_rows = sum(c.samples for c in chunks)
+            assert device["logits_indices"][sampled_rows : sampled_rows + pad].tolist() == list(
+                range(len(ids), len(ids) + pad)
+            )
+            assert shape == (max(len(ids) + pad, pad_tokens or 0), padded, max(sampled_rows + pad, pad_logits or 0))
+            assert not device["logits_indices"][sampled_rows + pad :].any()  # rows of token 0
         sampled = [starts[row + 1] - 1 for row, chunk in enumerate(chunks) if chunk.samples]
         assert device["logits_indices"][: len(sampled)].tolist() == sampled
         drawing = [chunk for chunk in chunks if chunk.samples]
@@ -592,11 +658,11 @@ def test_decode_graph_keys():
     with tables no wider than it take the graphs by size; prefill chunks none."""
     from types import SimpleNamespace
 
-    from atom_runtime.cuda_graphs import SHORT_CONTEXT, DecodeGraphs, GraphKey
+    from atom_runtime.cuda_graphs import SHORT_CONTEXT, FullGraphs, GraphKey
 
-    def graphs(sizes: list[int], max_blocks: int) -> DecodeGraphs:
+    def graphs(sizes: list[int], max_blocks: int) -> FullGraphs:
         runner = SimpleNamespace(inputs=StepInputs(64, 8, max_blocks, 16, torch.device("cpu")))
-        return DecodeGraphs(runner, sizes, pool=None)
+        return FullGraphs(runner, sizes, pool=None)
 
     def decodes(*contexts: int) -> list[ScheduledChunk]:
         seqs = [Sequence(f"s{i}", 0, [1] * n, SamplingParams()) for i, n in enumerate(contexts)]
@@ -604,16 +670,49 @@ def test_decode_graph_keys():
 
     wide = graphs([1, 2, 4], 4 * SHORT_CONTEXT // 16)
     short = GraphKey(1, SHORT_CONTEXT // 16)
-    assert wide.keys() == [GraphKey(4), GraphKey(2), GraphKey(1), short]
+    assert wide.capture_keys() == [GraphKey(4), GraphKey(2), GraphKey(1), short]
     assert wide.key_for(decodes(SHORT_CONTEXT)) == short  # its keys, the new token's included, fit
     assert wide.key_for(decodes(SHORT_CONTEXT + 1)) == GraphKey(1)
     assert wide.key_for(decodes(10, 20, 30)) == GraphKey(4)
     assert wide.key_for(decodes(10, 20, 30, 40, 50)) is None
     prompt = Sequence("p", 0, [1] * 8, SamplingParams())
     assert wide.key_for([ScheduledChunk(prompt, 0, 8)]) is None
-    assert graphs([2, 4], 4 * SHORT_CONTEXT // 16).keys() == [GraphKey(4), GraphKey(2)]
+    assert graphs([2, 4], 4 * SHORT_CONTEXT // 16).capture_keys() == [GraphKey(4), GraphKey(2)]
     assert graphs([1, 2], SHORT_CONTEXT // 16).key_for(decodes(100)) == GraphKey(1)  # the table is no wider
-    assert graphs([1], 2 * SHORT_CONTEXT // 16 - 1).keys() == [GraphKey(1)]  # nor twice as wide: a launch alike
+    assert graphs([1], 2 * SHORT_CONTEXT // 16 - 1).capture_keys() == [GraphKey(1)]  # nor twice as wide: a launch alike
     inputs = wide.runner.inputs
     tables = inputs.views(1, 1, 1, short.table_blocks)[2].block_tables
     assert tables.shape == (1, short.table_blocks) and tables.stride(0) == inputs.block_tables.shape[1]
+
+
+def test_mixed_graph_keys():
+    """In FULL mode a prefill or mixed step takes a graph of its sequences padded to a bucket and its tokens, the
+    padding sequences' one each included, to a token size past them; not a step that scores prompt positions, nor
+    one past the largest sizes. Every (tokens, sequences) pair is captured, largest first."""
+    from types import SimpleNamespace
+
+    from atom_runtime.cuda_graphs import FullGraphs, GraphKey
+
+    runner = SimpleNamespace(inputs=StepInputs(512, 64, 8, 16, torch.device("cpu")))
+    graphs = FullGraphs(runner, [1, 2, 4, 8], pool=None, mixed_tokens=[8, 32, 128, 512])
+    assert graphs.mixed_seqs == [4, 16, 64]
+    keys = graphs.capture_keys()
+    assert keys[:3] == [GraphKey(64, None, 512), GraphKey(16, None, 512), GraphKey(4, None, 512)]
+    assert {k for k in keys if k.tokens == 8} == {GraphKey(4, None, 8)} and GraphKey(8) in keys
+
+    def step(*lens: int) -> list[ScheduledChunk]:
+        seqs = [Sequence(f"s{i}", 0, [1] * (n + 3), SamplingParams()) for i, n in enumerate(lens)]
+        return [ScheduledChunk(s, 3, n) for s, n in zip(seqs, lens, strict=True)]
+
+    assert graphs.key_for(step(5)) == GraphKey(4, None, 8)  # 5 tokens + 3 padding sequences
+    assert graphs.key_for(step(6)) == GraphKey(4, None, 32)  # 6 + 3 > 8
+    assert graphs.key_for(step(1, 1, 1, 1, 20)) == GraphKey(16, None, 128)  # 24 tokens + 11 padding sequences
+    assert graphs.key_for(step(509)) == GraphKey(4, None, 512)
+    assert graphs.key_for(step(510)) is None  # 510 + 3 > 512: outside the graphs
+    assert graphs.key_for(step(1, 1, 1)) == GraphKey(4)  # decodes: the decode graphs
+    assert graphs.key_for(step(*[2] * 65)) is None  # more sequences than the largest bucket
+    scored = step(7)
+    scored[0].scored = range(3, 9)
+    assert graphs.key_for(scored) is None  # prompt_logprobs: their rows are the piecewise path's
+    decode_only = FullGraphs(runner, [1, 2, 4, 8], pool=None)
+    assert decode_only.key_for(step(5)) is None and all(k.tokens is None for k in decode_only.capture_keys())
