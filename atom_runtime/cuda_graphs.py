@@ -56,8 +56,8 @@ def fits_short_graph(num_seqs: int, context: int) -> bool:
     return num_seqs == 1 and context <= SHORT_CONTEXT
 
 
-# Sequence buckets of FULL graphs of prefill and mixed steps: a step's sequences are padded up to one (its attention
-# launch's grid and splits follow from the count), its tokens then up to a token size.
+# Sequence buckets of FULL graphs of prefill and mixed steps: a step's sequences are padded up to one with empty
+# sequences (its attention launch's grid and splits follow from the count), its tokens up to a token size.
 MIXED_SEQS = (4, 16, 64, 256)
 
 
@@ -113,15 +113,15 @@ class FullGraphs:
         return GraphKey(self.sizes[at]) if at < len(self.sizes) else None
 
     def _mixed_key(self, chunks: list[ScheduledChunk]) -> GraphKey | None:
-        """A prefill or mixed step's graph: sequences padded to a bucket, then tokens (the padding sequences' one
-        each included) to a token size past them."""
+        """A prefill or mixed step's graph: sequences padded to a bucket with empty ones, tokens to a token size past
+        the bucket's count (more tokens than sequences: attention's decode-only launch is a decode graph's)."""
         if any(c.scored for c in chunks):
             return None
         at = bisect.bisect_left(self.mixed_seqs, len(chunks))
         if at == len(self.mixed_seqs):
             return None
         seqs = self.mixed_seqs[at]
-        tokens = sum(c.num_tokens for c in chunks) + seqs - len(chunks)
+        tokens = sum(c.num_tokens for c in chunks)
         at = bisect.bisect_left(self.mixed_tokens, max(tokens, seqs + 1))
         return GraphKey(seqs, None, self.mixed_tokens[at]) if at < len(self.mixed_tokens) else None
 

@@ -176,8 +176,10 @@ class StepInputs:
     ) -> tuple[int, int, int]:
         """Write one step; returns (tokens, seqs, logits) counts, padding included.
 
-        `pad_seqs_to` (for FULL CUDA graphs) adds one-token sequences after the step's own that write
-        nowhere (slot -1), read one cached position, and whose logits are discarded.
+        `pad_seqs_to` (for FULL CUDA graphs) adds sequences after the step's own whose logits are discarded: with
+        one token each that writes nowhere (slot -1) and reads one cached position in a decode graph (its attention
+        finds sequence i's token in row i), with none in a mixed step's (given `pad_tokens_to`), whose budget of
+        tokens padding then takes nothing from.
         `pad_tokens_to` (for PIECEWISE graphs, and FULL graphs of mixed steps) adds tokens of no sequence after
         those, up to that many tokens in all: they write nowhere and attention zeroes them. `pad_logits_to` (FULL
         graphs of mixed steps) adds logits rows of token 0. `in_flight` holds the token ids sampled by the previous
@@ -189,8 +191,9 @@ class StepInputs:
         scored = sum(len(c.scored) for c in chunks)
         padded_seqs = max(num_seqs, pad_seqs_to or 0)
         pad = padded_seqs - num_seqs
+        pad_tokens = pad if pad_tokens_to is None else 0
         rows = logits + scored + pad
-        shape = (max(tokens + pad, pad_tokens_to or 0), padded_seqs, max(rows, pad_logits_to or 0))
+        shape = (max(tokens + pad_tokens, pad_tokens_to or 0), padded_seqs, max(rows, pad_logits_to or 0))
         fields, host_fields = self.fields(*shape)
         arrays, held, copied = host_fields[self.turn], self.host_tables[self.turn], self.copied[self.turn]
         tables = self.host_block_arrays[self.turn]
@@ -216,18 +219,15 @@ class StepInputs:
             arrays["query_start_loc"],
         )
         if pad:
-            ids[t : t + pad] = 0
-            pos[t : t + pad] = 0
-            slots[t : t + pad] = -1
             tables[num_seqs:padded_seqs] = 0
             held[num_seqs:padded_seqs] = [PADDING] * pad
             arrays["seq_lens"][num_seqs:padded_seqs] = 1
-            qsl[num_seqs + 1 : padded_seqs + 1] = np.arange(t + 1, t + pad + 1)
-            arrays["logits_indices"][rows - pad : rows] = np.arange(t, t + pad)
-        if shape[0] > t + pad:
-            ids[t + pad :] = 0
-            pos[t + pad :] = 0
-            slots[t + pad :] = -1
+            qsl[num_seqs + 1 : padded_seqs + 1] = np.arange(t + 1, t + pad_tokens + 1) if pad_tokens else t
+            arrays["logits_indices"][rows - pad : rows] = np.arange(t, t + pad) if pad_tokens else 0
+        if shape[0] > t:
+            ids[t:] = 0
+            pos[t:] = 0
+            slots[t:] = -1
         if shape[2] > rows - pad:  # padding rows: greedy draws (any seed, any position) of token 0's logits
             arrays["logits_indices"][rows:] = 0
             arrays["temperature"][rows - pad :] = 0.0
@@ -240,7 +240,7 @@ class StepInputs:
         drawn_here = in_flight is not None and in_flight.data_ptr() == self.device_bytes.data_ptr()
         in_place = (
             drawn_here
-            and carried == num_seqs == shape[0] - pad
+            and carried == num_seqs == shape[0] - pad_tokens
             and np.array_equal(arrays["carry_from"][:carried], self.iota[:carried])
         )
         if drawn_here and carried and not in_place:  # the upload overwrites them: aside first

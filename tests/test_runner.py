@@ -57,8 +57,8 @@ def test_padded_decode_step_equals_unpadded(runner):
 
 
 def test_padded_mixed_step_equals_unpadded(runner):
-    """A mixed step laid out as a FULL graph of it reads it (sequences padded with one-token ones, then tokens of no
-    sequence, then logits rows of token 0) gives the same logits for its own rows and writes the same cache."""
+    """A mixed step laid out as a FULL graph of it reads it (sequences padded with empty ones, tokens with tokens of
+    no sequence, logits rows with rows of token 0) gives the same logits for its own rows and writes the same cache."""
     runner, block_manager = runner
     seqs = prefilled(runner, block_manager, [[5, 6, 7, 8, 9], [10, 11]])
     prompt = Sequence("p", 0, [21, 22, 23, 24, 25, 26, 27], SamplingParams(temperature=0))
@@ -686,9 +686,9 @@ def test_decode_graph_keys():
 
 
 def test_mixed_graph_keys():
-    """In FULL mode a prefill or mixed step takes a graph of its sequences padded to a bucket and its tokens, the
-    padding sequences' one each included, to a token size past them; not a step that scores prompt positions, nor
-    one past the largest sizes. Every (tokens, sequences) pair is captured, largest first."""
+    """In FULL mode a prefill or mixed step takes a graph of its sequences padded to a bucket (with empty ones) and
+    its tokens to a token size past the bucket's count; not a step that scores prompt positions, nor one past the
+    largest sizes. Every (tokens, sequences) pair is captured, largest first."""
     from types import SimpleNamespace
 
     from atom_runtime.cuda_graphs import FullGraphs, GraphKey
@@ -704,11 +704,13 @@ def test_mixed_graph_keys():
         seqs = [Sequence(f"s{i}", 0, [1] * (n + 3), SamplingParams()) for i, n in enumerate(lens)]
         return [ScheduledChunk(s, 3, n) for s, n in zip(seqs, lens, strict=True)]
 
-    assert graphs.key_for(step(5)) == GraphKey(4, None, 8)  # 5 tokens + 3 padding sequences
-    assert graphs.key_for(step(6)) == GraphKey(4, None, 32)  # 6 + 3 > 8
-    assert graphs.key_for(step(1, 1, 1, 1, 20)) == GraphKey(16, None, 128)  # 24 tokens + 11 padding sequences
-    assert graphs.key_for(step(509)) == GraphKey(4, None, 512)
-    assert graphs.key_for(step(510)) is None  # 510 + 3 > 512: outside the graphs
+    assert graphs.key_for(step(8)) == GraphKey(4, None, 8)  # 3 empty padding sequences take no tokens
+    assert graphs.key_for(step(9)) == GraphKey(4, None, 32)
+    assert graphs.key_for(step(1, 2)) == GraphKey(4, None, 8)  # 3 tokens, but more than the 4 sequences
+    assert graphs.key_for(step(1, 1, 1, 1, 20)) == GraphKey(16, None, 32)  # 24 tokens, 11 padding sequences
+    assert graphs.key_for(step(*[1] * 15, 2)) == GraphKey(16, None, 32)  # 17 tokens: more than 16 sequences
+    assert graphs.key_for(step(512)) == GraphKey(4, None, 512)
+    assert graphs.key_for(step(513)) is None  # past the largest size: outside the graphs
     assert graphs.key_for(step(1, 1, 1)) == GraphKey(4)  # decodes: the decode graphs
     assert graphs.key_for(step(*[2] * 65)) is None  # more sequences than the largest bucket
     scored = step(7)

@@ -807,6 +807,14 @@ def test_paged_attention_prefill_tile_sizes(beside):
         check_attention(4, 2, 16, 4, lens, config=config)
 
 
+def test_paged_attention_trailing_empty_sequences():
+    """A FULL graph's mixed step: sequences padded with empty ones (all starting where the step's tokens end), then
+    tokens of no sequence; with both tile sizes and split decodes."""
+    lens = [(1, 23), (6, 14), (1, 5), (0, 1), (0, 1), (0, 1)]
+    for config in (splitting_config(16), dataclasses.replace(attention.default_config(16), small_block_m=16)):
+        check_attention(4, 2, 16, 4, lens, padding=5, config=config)
+
+
 def test_paged_attention_split_tickets_reset():
     """The last decode split resets its arrival counter, so back-to-back calls merge correctly."""
     for lens in ([(1, 23), (1, 5), (3, 9)], [(1, 40), (2, 7), (1, 12), (1, 2)]):

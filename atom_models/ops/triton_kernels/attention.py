@@ -899,10 +899,11 @@ def run_paged_attention(
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     tickets = ticket_counters(q.device, num_seqs * num_kv_heads)
     kv_scales = kv_cache.dtype == FP8_DTYPE and k_scale is not None
-    # Only decode tokens (one a sequence; the runtime never schedules an empty one): no tile launch, and the decode
-    # programs index the query by sequence. Otherwise prefill tiles get a launch of their own: in one launch the tile
-    # program's 8 warps and 255 registers held the decode programs to one a multiprocessor (4 warps, 163 registers
-    # alone). H100, Llama-3-8B, a step of 167 decodes and a 345-token chunk: 409 -> 385 us a layer.
+    # Only decode tokens (one a sequence; empty sequences, a FULL graph's padding of a mixed step, come with more
+    # tokens than sequences): no tile launch, and the decode programs index the query by sequence. Otherwise prefill
+    # tiles get a launch of their own: in one launch the tile program's 8 warps and 255 registers held the decode
+    # programs to one a multiprocessor (4 warps, 163 registers alone). H100, Llama-3-8B, a step of 167 decodes and a
+    # 345-token chunk: 409 -> 385 us a layer.
     decode_only = num_tokens == num_seqs
     num_stages = config.lone_decode_stages if decode_only and num_seqs == 1 else config.num_stages
     args = (
