@@ -50,9 +50,13 @@ def projections(preset: str) -> list[tuple[str, int, int]]:
 
 
 def git_commit() -> str:
-    """The commit measured; the GPU host gets a copy of the tree without .git, so it passes ATOM_COMMIT."""
+    """The commit measured; the GPU host gets a copy of the tree without .git, so it passes ATOM_COMMIT, or the tree
+    says its own (`branch_trees.sh` writes `.commit`: git there would name the enclosing checkout's)."""
     if os.environ.get("ATOM_COMMIT"):
         return os.environ["ATOM_COMMIT"]
+    stamp = Path(__file__).resolve().parents[1] / ".commit"
+    if stamp.is_file():
+        return stamp.read_text().strip()
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

@@ -13,6 +13,7 @@ if [ "${1:-}" != "--run" ]; then
   for branch in "$@"; do
     mkdir -p "$root/.t/$branch"
     git -C "$root" archive "$branch" | tar -x -C "$root/.t/$branch" --exclude=atom_models/demo/model.safetensors
+    git -C "$root" rev-parse --short "$branch" > "$root/.t/$branch/.commit"  # what the benchmarks' JSON names
     echo "$branch: $(git -C "$root" rev-parse --short "$branch")"
   done
   exit 0
