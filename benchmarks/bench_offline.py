@@ -46,6 +46,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         artifact = args.artifact or dummy_artifact(args.preset, Path(tmp), "cuda", passes=args.passes)
         input_lens, output_lens = lengths(args.input_len), lengths(args.output_len)
+        loading = time.perf_counter()
         llm = LLM(
             artifact,
             max_num_seqs=args.max_num_seqs,
@@ -54,6 +55,7 @@ def main() -> None:
             kv_cache_dtype=args.kv_cache_dtype,
             cudagraph_mode=args.cudagraph_mode,
         )
+        startup = time.perf_counter() - loading  # load, profile step, KV cache, graph capture (FULL mode's are many)
         vocab = llm.engine.core.runner.model.config.vocab_size
         prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in input_lens]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -81,6 +83,7 @@ def main() -> None:
         "launch_ms": (stats.launch_time_s - before.launch_time_s) / steps * 1e3,
         "wait_ms": (stats.wait_time_s - before.wait_time_s) / steps * 1e3,
         "cudagraph_mode": args.cudagraph_mode,
+        "startup_s": startup,
     }
     print_table(
         f"offline, {args.artifact.name if args.artifact else args.preset}, "
@@ -98,6 +101,7 @@ def main() -> None:
             ("kv_cache_tokens", "KV tokens", "d"),
             ("launch_ms", "launch ms", ".2f"),
             ("wait_ms", "wait ms", ".2f"),
+            ("startup_s", "start s", ".1f"),
         ],
     )
     write_json(
