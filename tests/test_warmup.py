@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,40 @@ def test_install_rewrites_group_paths(tmp_path, monkeypatch):
     group = json.loads((tmp_path / "cache" / "KEY" / "__grp__kernel.json").read_text())
     assert group["child_paths"] == {"kernel.cubin": str(tmp_path / "cache" / "KEY" / "kernel.cubin")}
     assert "/staging" in group_file.read_text()  # the artifact itself is left as it was (its checksums hold)
+
+
+def test_install_never_shows_a_file_half_written(tmp_path, monkeypatch):
+    """The Triton cache is the machine's: another process may be loading a kernel while this one installs. A file
+    already there is left as it is (entries are named by the kernel's hash); a new one appears whole, by a rename,
+    an entry's members before its group file; no temporary file stays behind."""
+    from atom_compile.graphs import warmup
+
+    shipped = tmp_path / "artifact" / "triton_cache"
+    for key in ("A", "B"):
+        (shipped / key).mkdir(parents=True)
+        (shipped / key / "kernel.cubin").write_bytes(b"cubin " + key.encode())
+        (shipped / key / "kernel.json").write_text("{}")
+        group = {"child_paths": {n: f"/staging/{key}/{n}" for n in ("kernel.cubin", "kernel.json")}}
+        (shipped / key / "__grp__kernel.json").write_text(json.dumps(group))
+    cache = tmp_path / "cache"
+    (cache / "A").mkdir(parents=True)
+    (cache / "A" / "kernel.cubin").write_bytes(b"another process's")  # being loaded elsewhere: not to be touched
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    renamed = []
+    replace = warmup.os.replace
+    monkeypatch.setattr(warmup.os, "replace", lambda src, dst: renamed.append(Path(dst)) or replace(src, dst))
+    install_kernels(shipped)
+    assert (cache / "A" / "kernel.cubin").read_bytes() == b"another process's"
+    assert (cache / "B" / "kernel.cubin").read_bytes() == b"cubin B"
+    assert cache / "A" / "kernel.cubin" not in renamed and len(renamed) == 5  # every file written came by a rename
+    for key in ("A", "B"):
+        group = cache / key / "__grp__kernel.json"
+        members = [path for path in renamed if path.parent == group.parent and path != group]
+        assert members and all(renamed.index(m) < renamed.index(group) for m in members)
+        assert json.loads(group.read_text())["child_paths"]["kernel.cubin"] == str(cache / key / "kernel.cubin")
+    assert not list(cache.rglob("*.tmp"))
+    install_kernels(shipped)  # a second load (another server, a restart) writes nothing
+    assert len(renamed) == 5
 
 
 def test_warm_steps_cover_decode_prefill_and_mixed():

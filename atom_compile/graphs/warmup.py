@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
-import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -177,12 +178,27 @@ def warm_kernels(
 def install_kernels(cache: Path) -> None:
     """Copy an artifact's compiled Triton kernels into this process's Triton cache.
 
-    Triton's group files list their members by absolute path, which pointed into the export's
-    staging directory: they are rewritten to the members' new home, or Triton misses them.
+    That cache is the machine's, shared by every process on it (a server a GPU, a benchmark beside an export), so a
+    kernel another process may be loading must never be seen half-written: copied over in place, a file is empty
+    for a while. Entries are named by a hash of the kernel's source, options and target, so a file already there is
+    left as it is; a missing one is written under a temporary name and renamed into place, an entry's members
+    before its group file (as Triton writes its own). Triton's group files list their members by absolute path,
+    which pointed into the export's staging directory: they are rewritten to the members' new home, or Triton
+    misses them.
     """
     target = triton_cache_dir()
-    shutil.copytree(cache, target, dirs_exist_ok=True)
-    for group in target.glob("*/__grp__*"):
-        data = json.loads(group.read_text())
-        data["child_paths"] = {name: str(group.parent / Path(path).name) for name, path in data["child_paths"].items()}
-        group.write_text(json.dumps(data))
+    files = sorted((p for p in cache.rglob("*") if p.is_file()), key=lambda p: (p.name.startswith("__grp__"), p))
+    for source in files:
+        dest = target / source.relative_to(cache)
+        if dest.exists():
+            continue
+        data = source.read_bytes()
+        if source.name.startswith("__grp__"):
+            group = json.loads(data)
+            children = group["child_paths"]
+            group["child_paths"] = {name: str(dest.parent / Path(path).name) for name, path in children.items()}
+            data = json.dumps(group).encode()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        temp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        temp.write_bytes(data)
+        os.replace(temp, dest)
