@@ -519,7 +519,7 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
         num_tokens, pad_logits = sum(c.num_tokens for c in chunks), None
         pad_tokens = None if steady or pad_seqs or rng.random() < 0.7 else num_tokens + rng.randrange(6)
         if pad_seqs and not decode_only:
-            pad_tokens = num_tokens + min(pad_seqs, max_seqs) - len(chunks) + rng.randrange(4)
+            pad_tokens = num_tokens + rng.randrange(4)
             pad_logits = min(pad_seqs, max_seqs) + rng.randrange(3)
         shape = inputs.load(
             chunks,
@@ -549,18 +549,20 @@ def test_step_inputs_random_schedules_reach_the_device(host_sets):
         assert device["query_start_loc"][: len(starts)].tolist() == starts
         for row, chunk in enumerate(chunks):
             assert inputs.block_tables[row, : len(chunk.seq.block_table)].tolist() == chunk.seq.block_table
-        if pad_seqs:  # one-token sequences right after the step's own, then tokens of no sequence
+        if pad_seqs:  # sequences right after the step's own (one token each, or none in a mixed step's graph)
             padded = min(pad_seqs, max_seqs)
             pad = padded - len(chunks)
+            each = 0 if pad_tokens else 1
             assert not inputs.block_tables[len(chunks) : padded].any()
             assert device["slot_mapping"][len(ids) :].eq(-1).all()
             assert device["seq_lens"][len(chunks) : padded].eq(1).all()
-            assert device["query_start_loc"][len(starts) :].tolist() == list(range(len(ids) + 1, len(ids) + pad + 1))
+            ends = [len(ids) + each * (i + 1) for i in range(pad)]
+            assert device["query_start_loc"][len(starts) :].tolist() == ends
             sampled_rows = sum(c.samples for c in chunks)
-            assert device["logits_indices"][sampled_rows : sampled_rows + pad].tolist() == list(
-                range(len(ids), len(ids) + pad)
-            )
-            assert shape == (max(len(ids) + pad, pad_tokens or 0), padded, max(sampled_rows + pad, pad_logits or 0))
+            rows = list(range(len(ids), len(ids) + pad)) if each else [0] * pad
+            assert device["logits_indices"][sampled_rows : sampled_rows + pad].tolist() == rows
+            shape_tokens = max(len(ids) + each * pad, pad_tokens or 0)
+            assert shape == (shape_tokens, padded, max(sampled_rows + pad, pad_logits or 0))
             assert not device["logits_indices"][sampled_rows + pad :].any()  # rows of token 0
         sampled = [starts[row + 1] - 1 for row, chunk in enumerate(chunks) if chunk.samples]
         assert device["logits_indices"][: len(sampled)].tolist() == sampled
