@@ -23,7 +23,7 @@ from atom_models.llama import head_dim_of
 from atom_models.ops.attention import INLINE_SCALE_DTYPE, kv_cache_shape
 from atom_models.ops.quant import FP8_DTYPE
 from atom_runtime.config import EngineConfig
-from atom_runtime.cuda_graphs import FullGraphs, PiecewiseGraphs, mixed_seq_buckets
+from atom_runtime.cuda_graphs import FullGraphs, GraphKey, PiecewiseGraphs
 from atom_runtime.sampler import DeviceSample, Draws, Sampler, on_device, with_logprobs
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.scheduler import PROMPT_LOGPROB_ROWS, ScheduledChunk
@@ -159,7 +159,9 @@ class ModelRunner:
         return num_blocks
 
     def _graph_memory(self) -> int:
-        """Memory the graphs will hold: the largest of each kind captured over a one-block cache, with margin."""
+        """Memory the graphs will hold: the largest of each kind captured over a one-block cache, with margin, and
+        the logits every other whole-step graph keeps (fp32, a vocabulary wide: 3 GiB for FULL mode's 108 mixed
+        graphs of a 128 k vocabulary, as much as the rest together)."""
         size = max(self.capture_sizes + self.mixed_sizes + self.piecewise_sizes)
         cache = self.empty_kv_cache(1)
         self.kv_caches = [cache] * self.num_layers
@@ -167,11 +169,15 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         trials: list[FullGraphs | PiecewiseGraphs] = []
+        full_keys: list[GraphKey] = []  # every whole-step graph but the short batch-1 one (the table here is narrow)
+        kept_rows = 0  # logits rows those keep beyond the trial's
         if self.capture_sizes or self.mixed_sizes:
+            full_keys = FullGraphs(self, self.capture_sizes, pool, self.mixed_sizes).capture_keys()
             trial = FullGraphs(self, self.capture_sizes[-1:], pool, self.mixed_sizes[-1:])
             decode, mixed = ([k for k in trial.capture_keys() if (k.tokens is None) == d][:1] for d in (True, False))
             trial.capture(decode + mixed, progress=False)  # the largest of each kind
             trials.append(trial)
+            kept_rows = sum(k.size for k in full_keys) - sum(k.size for k in decode + mixed)
         if self.piecewise_sizes:
             trial = PiecewiseGraphs(self.model.forward, [max(self.piecewise_sizes)], pool)
             if trial.num_graphed:
@@ -183,9 +189,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         max_blocks = -(-self.max_model_len // self.block_size)
         short = FullGraphs.short_graph_blocks(self.capture_sizes, max_blocks, self.block_size) is not None
-        mixed = sum(s < t for t in self.mixed_sizes for s in mixed_seq_buckets(self.config.max_num_seqs))
-        graphs = len(self.capture_sizes + self.piecewise_sizes) + mixed + int(short)
-        return int(used * 1.2) + (2 << 20) * graphs
+        graphs = len(full_keys) + len(self.piecewise_sizes) + int(short)
+        kept = (kept_rows + int(short)) * self.model.config.vocab_size * 4
+        return int(used * 1.2) + (2 << 20) * graphs + kept
 
     def profile_run(self) -> None:
         """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory; with as many logits
