@@ -731,6 +731,7 @@ def test_mixed_graph_keys():
     assert graphs.key_for(step(1, 2)) == GraphKey(4, None, 8)  # 3 tokens, but more than the 4 sequences
     assert graphs.key_for(step(1, 1, 1, 1, 20)) == GraphKey(16, None, 32)  # 24 tokens, 11 padding sequences
     assert graphs.key_for(step(*[1] * 15, 2)) == GraphKey(16, None, 32)  # 17 tokens: more than 16 sequences
+    assert graphs.key_for(step(*[1] * 20, 5)) == GraphKey(64, None, 128)  # 25 tokens, but more than 64 sequences
     assert graphs.key_for(step(512)) == GraphKey(4, None, 512)
     assert graphs.key_for(step(513)) is None  # past the largest size: outside the graphs
     assert graphs.key_for(step(1, 1, 1)) == GraphKey(4)  # decodes: the decode graphs
@@ -738,5 +739,7 @@ def test_mixed_graph_keys():
     scored = step(7)
     scored[0].scored = range(3, 9)
     assert graphs.key_for(scored) is None  # prompt_logprobs: their rows are the piecewise path's
+    for lens in ([8], [1, 2], [*[1] * 15, 2], [*[1] * 20, 5], [512], [1, 1, 1], [3] * 60):
+        assert graphs.key_for(step(*lens)) in keys  # every key a step takes is one captured
     decode_only = FullGraphs(runner, [1, 2, 4, 8], pool=None)
     assert decode_only.key_for(step(5)) is None and all(k.tokens is None for k in decode_only.capture_keys())

@@ -26,8 +26,8 @@ def test_install_rewrites_group_paths(tmp_path, monkeypatch):
 
 def test_install_never_shows_a_file_half_written(tmp_path, monkeypatch):
     """The Triton cache is the machine's: another process may be loading a kernel while this one installs. A file
-    already there is left as it is (entries are named by the kernel's hash); a new one appears whole, by a rename,
-    an entry's members before its group file; no temporary file stays behind."""
+    already there whole is left as it is (entries are named by the kernel's hash); a new one, or one cut short,
+    appears whole, by a rename, an entry's members before its group file; no temporary file stays behind."""
     from atom_compile.graphs import warmup
 
     shipped = tmp_path / "artifact" / "triton_cache"
@@ -38,14 +38,16 @@ def test_install_never_shows_a_file_half_written(tmp_path, monkeypatch):
         group = {"child_paths": {n: f"/staging/{key}/{n}" for n in ("kernel.cubin", "kernel.json")}}
         (shipped / key / "__grp__kernel.json").write_text(json.dumps(group))
     cache = tmp_path / "cache"
-    (cache / "A").mkdir(parents=True)
-    (cache / "A" / "kernel.cubin").write_bytes(b"another process's")  # being loaded elsewhere: not to be touched
+    for key in ("A", "B"):
+        (cache / key).mkdir(parents=True)
+    (cache / "A" / "kernel.cubin").write_bytes(b"cubin a")  # whole, being loaded elsewhere: not to be touched
+    (cache / "B" / "kernel.cubin").write_bytes(b"")  # cut short by an install that died: replaced
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     renamed = []
     replace = warmup.os.replace
     monkeypatch.setattr(warmup.os, "replace", lambda src, dst: renamed.append(Path(dst)) or replace(src, dst))
     install_kernels(shipped)
-    assert (cache / "A" / "kernel.cubin").read_bytes() == b"another process's"
+    assert (cache / "A" / "kernel.cubin").read_bytes() == b"cubin a"
     assert (cache / "B" / "kernel.cubin").read_bytes() == b"cubin B"
     assert cache / "A" / "kernel.cubin" not in renamed and len(renamed) == 5  # every file written came by a rename
     for key in ("A", "B"):

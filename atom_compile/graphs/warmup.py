@@ -180,24 +180,24 @@ def install_kernels(cache: Path) -> None:
 
     That cache is the machine's, shared by every process on it (a server a GPU, a benchmark beside an export), so a
     kernel another process may be loading must never be seen half-written: copied over in place, a file is empty
-    for a while. Entries are named by a hash of the kernel's source, options and target, so a file already there is
-    left as it is; a missing one is written under a temporary name and renamed into place, an entry's members
-    before its group file (as Triton writes its own). Triton's group files list their members by absolute path,
-    which pointed into the export's staging directory: they are rewritten to the members' new home, or Triton
-    misses them.
+    for a while. Entries are named by a hash of the kernel's source, options and target, so a file already there
+    whole (its size) is left as it is; any other (missing, or cut short by an older install) is written under a
+    temporary name and renamed into place, an entry's members before its group file (as Triton writes its own).
+    Triton's group files list their members by absolute path, which pointed into the export's staging directory:
+    they are rewritten to the members' new home, or Triton misses them.
     """
     target = triton_cache_dir()
     files = sorted((p for p in cache.rglob("*") if p.is_file()), key=lambda p: (p.name.startswith("__grp__"), p))
     for source in files:
         dest = target / source.relative_to(cache)
-        if dest.exists():
-            continue
         data = source.read_bytes()
         if source.name.startswith("__grp__"):
             group = json.loads(data)
             children = group["child_paths"]
             group["child_paths"] = {name: str(dest.parent / Path(path).name) for name, path in children.items()}
             data = json.dumps(group).encode()
+        if dest.is_file() and dest.stat().st_size == len(data):
+            continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         temp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
         temp.write_bytes(data)
