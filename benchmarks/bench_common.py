@@ -63,6 +63,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Weight bytes a decode step reads: every weight once, except an untied embedding table (a step reads one row
+    a token; counting it overstated Llama-3-8B's bf16 roofline by 1.05 GB, 0.35 ms on an H100)."""
+    unique = {t.data_ptr(): t for t in weights.values()}
+    embedding = weights.get(EMBEDDING)
+    if embedding is not None and sum(t.data_ptr() == embedding.data_ptr() for t in weights.values()) == 1:
+        del unique[embedding.data_ptr()]
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

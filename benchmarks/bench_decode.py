@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import uvloop
-from bench_common import copy_bandwidth, device_name, dummy_artifact, print_table, write_json
+from bench_common import copy_bandwidth, device_name, dummy_artifact, print_table, step_weight_bytes, write_json
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import KV_CACHE_DTYPES, EngineConfig
@@ -106,19 +106,6 @@ def timed_decode(
     # Steps are even unless something stalls now and then (a median far below the mean says so).
     phases |= {"median_step": gaps[len(gaps) // 2], "slowest_step": gaps[-1]}
     return (t1 - t0) / measured, phases
-
-
-EMBEDDING = "model.embed_tokens.weight"
-
-
-def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
-    """Weight bytes a decode step reads: every weight once, except an untied embedding table (a step reads one row
-    a token; counting it overstated Llama-3-8B's bf16 roofline by 1.05 GB, 0.35 ms on an H100)."""
-    unique = {t.data_ptr(): t for t in weights.values()}
-    embedding = weights.get(EMBEDDING)
-    if embedding is not None and sum(t.data_ptr() == embedding.data_ptr() for t in weights.values()) == 1:
-        del unique[embedding.data_ptr()]
-    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def profile_step(llm: LLM, batch: int, out: Path) -> None:

@@ -4,21 +4,75 @@
 
 Lengths are drawn uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)], as in
 benchmark_serving's random dataset; ignore_eos makes every request run to its length.
+
+`--step-kinds` splits the run's time by the kind of step (prefill only, mixed, decode batches by size) with the
+memory each kind reads (weights once a step, decodes' cached keys): where a run's seconds go beyond the roofline.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_common import device_name, dummy_artifact, print_table, write_json
+from bench_common import device_name, dummy_artifact, print_table, step_weight_bytes, write_json
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
+from atom_runtime.scheduler import ScheduledChunk
+
+# Decode batches by size: a run's ramp and tail (few sequences, the weights read for few tokens) against its body.
+DECODE_BATCHES = ((1, 63), (64, 191), (192, None))
+
+
+class StepTrace:
+    """Each scheduled step's (time, sequences, tokens, decodes, cached keys its decodes read), taken where the engine
+    schedules it: the time between two steps' scheduling is the first's (the loop runs a step a turn)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int, int, int, int]] = []
+
+    def record(self, chunks: list[ScheduledChunk]) -> None:
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.samples]
+        tokens = sum(c.num_tokens for c in chunks)
+        self.steps.append((time.perf_counter(), len(chunks), tokens, len(decodes), sum(c.start + 1 for c in decodes)))
+
+    def by_kind(self, weight_bytes: int, kv_token_bytes: float) -> list[dict]:
+        """Seconds, steps and the memory read (weights once a step, decodes' keys) a second, by kind of step."""
+        kinds: dict[str, list] = {}
+        for (start, seqs, tokens, decodes, keys), (end, *_) in itertools.pairwise(self.steps):
+            if not seqs:
+                continue
+            if decodes == 0:
+                kind = "prefill"
+            elif decodes < seqs:
+                kind = "mixed"
+            else:
+                low, high = next((lo, hi) for lo, hi in DECODE_BATCHES if hi is None or seqs <= hi)
+                kind = f"decode {low}-{high}" if high else f"decode {low}+"
+            kinds.setdefault(kind, []).append((end - start, seqs, tokens, keys))
+        total = sum(t for rows in kinds.values() for t, *_ in rows)
+        table = []
+        for kind, rows in kinds.items():
+            seconds = sum(t for t, *_ in rows)
+            read = len(rows) * weight_bytes + sum(k for *_, k in rows) * kv_token_bytes
+            table.append(
+                {
+                    "kind": kind,
+                    "steps": len(rows),
+                    "seconds": seconds,
+                    "share": seconds / total,
+                    "seqs": sum(s for _, s, _, _ in rows) / len(rows),
+                    "tokens": sum(n for _, _, n, _ in rows) / len(rows),
+                    "ms_per_step": seconds / len(rows) * 1e3,
+                    "read_tb_s": read / seconds / 1e12,
+                }
+            )
+        return sorted(table, key=lambda row: row["kind"])
 
 
 def main() -> None:
@@ -34,6 +88,7 @@ def main() -> None:
     parser.add_argument("--passes", default=None, help="export with these passes (see atom-compile passes)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--cudagraph-mode", default=EngineConfig.cudagraph_mode, choices=CUDAGRAPH_MODES)
+    parser.add_argument("--step-kinds", action="store_true", help="time by kind of step (see above)")
     parser.add_argument("--out", type=Path, default=Path("bench_offline.json"))
     args = parser.parse_args()
 
@@ -61,9 +116,24 @@ def main() -> None:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
         llm.generate(prompt_token_ids=prompts[:4], sampling_params=params[:4])  # warm-up
         before = dataclasses.replace(llm.engine.core.stats)
+        trace = StepTrace() if args.step_kinds else None
+        if trace is not None:
+            scheduler = llm.engine.core.scheduler
+            schedule = scheduler.schedule
+
+            def traced_schedule():
+                plan = schedule()
+                trace.record(plan.chunks)
+                return plan
+
+            scheduler.schedule = traced_schedule
         started = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
         seconds = time.perf_counter() - started
+        if trace is not None:
+            runner = llm.engine.core.runner
+            weights = step_weight_bytes(runner.model.forward.weights)
+            kinds = trace.by_kind(weights, runner.block_bytes / runner.block_size)
         stats = llm.engine.core.stats
         steps = stats.num_steps - before.num_steps
         blocks = llm.engine.core.block_manager
@@ -104,6 +174,22 @@ def main() -> None:
             ("startup_s", "start s", ".1f"),
         ],
     )
+    if trace is not None:
+        print_table(
+            "time by kind of step (read: weights once a step and the decodes' cached keys, a second)",
+            kinds,
+            [
+                ("kind", "kind", ""),
+                ("steps", "steps", "d"),
+                ("seconds", "seconds", ".1f"),
+                ("share", "share", ".1%"),
+                ("seqs", "seqs", ".1f"),
+                ("tokens", "tokens", ".1f"),
+                ("ms_per_step", "ms/step", ".2f"),
+                ("read_tb_s", "read TB/s", ".2f"),
+            ],
+        )
+        row["step_kinds"] = kinds
     write_json(
         args.out,
         {

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from atom_runtime.block_manager import BlockManager
@@ -18,6 +19,7 @@ from atom_runtime.step_inputs import StepInputs
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_common import served_table_blocks  # noqa: E402
 from bench_decode import activity_name, critical_path, decode_graph_inputs, split_replays  # noqa: E402
+from bench_offline import StepTrace  # noqa: E402
 
 
 def test_kernel_benches_pass_the_engines_block_tables():
@@ -96,3 +98,24 @@ def test_profile_steps_reports_each_steps_ops(llama_artifact, tmp_path):
     assert result["kernels"] and result["kernels"][0]["ms"] >= result["kernels"][-1]["ms"] > 0
     assert 1 <= result["seqs"] <= 3 and result["tokens"] <= 16 and result["wall_ms"] > 0
     assert "kernels, device time a step" in run.stdout
+
+
+def test_offline_step_kinds_split_the_run():
+    """bench_offline --step-kinds: a step's time runs to the next step's scheduling; each kind's read rate counts the
+    weights once a step and its decodes' cached keys."""
+    trace = StepTrace()
+    # (time, sequences, tokens, decodes, cached keys the decodes read)
+    trace.steps = [
+        (0.0, 4, 40, 0, 0),
+        (1.0, 6, 20, 4, 400),
+        (1.5, 100, 100, 100, 10_000),
+        (1.75, 200, 200, 200, 40_000),
+        (1.85, 30, 30, 30, 900),
+        (1.9, 0, 0, 0, 0),
+    ]
+    rows = {row["kind"]: row for row in trace.by_kind(weight_bytes=1000, kv_token_bytes=10)}
+    assert list(rows) == ["decode 1-63", "decode 192+", "decode 64-191", "mixed", "prefill"]
+    assert rows["prefill"]["seconds"] == 1.0 and rows["mixed"]["seconds"] == 0.5
+    assert rows["decode 192+"]["read_tb_s"] == pytest.approx((1000 + 40_000 * 10) / 0.1 / 1e12)
+    assert rows["decode 1-63"]["ms_per_step"] == pytest.approx(50)
+    assert sum(row["share"] for row in rows.values()) == pytest.approx(1)
