@@ -2,7 +2,7 @@
 # One call on the GPU host: install the carried wheels, then run the named stages, logs under $OUT.
 #   run(command="bash benchmarks/gpu_run.sh tests decode-small", carry=[".whl"])
 # Stages: tests (GPU tests), kernel-tests, inductor-pdl (Inductor's kernels with PDL; at 5055e01 serving compiled two of them, so not adopted), gemm (bf16 decode GEMMs: cuBLAS vs the skinny kernel, with a sweep), fp8 (FP8 GEMMs and decode), fp8-offline (bf16 vs FP8 offline throughput), kernels (kernel benchmark; KERNELS_ONLY=decode, KERNELS_SWEEP=1, KERNELS_FP8_KV=1), ncu (Nsight Compute on profile_kernels.py's cases), layer (bench_layer.py: whole decoder layers and their parts in CUDA graphs; LAYER_PRESET, LAYER_QUANT=fp8), decode-small (Qwen3-0.6B), decode-8b (Llama-3-8B),
-#         offline-8b (Llama-3-8B, 1000 x 1024/1024; OFFLINE_BUDGET: max_num_batched_tokens, OFFLINE_MODE: cudagraph mode), profile-8b (profile_steps.py on Llama-3-8B), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
+#         offline-8b (Llama-3-8B, 1000 x 1024/1024; OFFLINE_BUDGET: max_num_batched_tokens, OFFLINE_MODE: cudagraph mode, OFFLINE_KINDS=1: time by kind of step), profile-8b (profile_steps.py on Llama-3-8B), offline-small, serving (benchmark_serving.py against atom-run serve), export (export time 2 vs 28 layers),
 #         train-demo (the demo model, to $OUT/demo.tar.part-*; needs carry demo_corpus/{train,valid,chat}.txt,
 #         corpus.json, LICENSE-PSF.txt).
 set -o pipefail
@@ -43,8 +43,8 @@ for stage in "$@"; do
              --out "$OUT/decode-llama-3-8b.json" 2>&1 | grep -v -e Warning -e "it/s" | tail -15 ;;
     offline-8b) python3 benchmarks/bench_offline.py --preset llama-3-8b --num-prompts 1000 --input-len 1024 \
              --output-len 1024 ${OFFLINE_BUDGET:+--max-num-batched-tokens $OFFLINE_BUDGET} \
-             ${OFFLINE_MODE:+--cudagraph-mode $OFFLINE_MODE} --out "$OUT/offline-llama-3-8b.json" 2>&1 \
-             | tr '\r' '\n' | grep -v -e Warning -e "it/s" -e "req/s" -e Capturing | tail -8 ;;
+             ${OFFLINE_MODE:+--cudagraph-mode $OFFLINE_MODE} ${OFFLINE_KINDS:+--step-kinds} --out "$OUT/offline-llama-3-8b.json" 2>&1 \
+             | tr '\r' '\n' | grep -v -e Warning -e "it/s" -e "req/s" -e Capturing | tail -16 ;;
     profile-8b)  # the offline run's steady state, step by step (PROFILE_BUDGET, PROFILE_MODE, PROFILE_HOST=1)
       art=$(cd benchmarks && python3 -c "from pathlib import Path; from bench_common import dummy_artifact
 print(dummy_artifact('llama-3-8b', Path('/tmp/profile'), 'cuda'))" | tail -1)
