@@ -8,7 +8,13 @@
 set -o pipefail
 OUT=${OUT:-/tmp/atom-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+# The carried wheels, unless this machine has them already (a second install rewrites files a process beside may be
+# importing).
+wheels=$(cd .whl 2>/dev/null && ls *.whl | md5sum)
+if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null \
+    && echo "$wheels" > /tmp/site/.wheels
+fi
 # A crash leaves every thread's Python stack in the stage's log (three runs have died by SIGSEGV without one).
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
