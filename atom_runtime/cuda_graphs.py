@@ -126,9 +126,8 @@ class FullGraphs:
         return GraphKey(seqs, None, self.mixed_tokens[at]) if at < len(self.mixed_tokens) else None
 
     def load(self, key: GraphKey, chunks: list[ScheduledChunk], in_flight: Tensor | None = None) -> tuple[int, ...]:
-        """Write a step's inputs as `key`'s graph reads them; returns their (tokens, seqs, logits) counts."""
-        if key.tokens is None:
-            return self.runner.inputs.load(chunks, pad_seqs_to=key.size, in_flight=in_flight)
+        """Write a step's inputs as `key`'s graph reads them (a logits row a sequence, padding included; tokens padded
+        only in a mixed step's graph); returns their (tokens, seqs, logits) counts."""
         return self.runner.inputs.load(
             chunks, pad_seqs_to=key.size, in_flight=in_flight, pad_tokens_to=key.tokens, pad_logits_to=key.size
         )

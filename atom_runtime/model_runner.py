@@ -71,6 +71,7 @@ class ModelRunner:
         if self.piecewise_sizes and not isinstance(model.forward, CompiledModel):
             logger.info("piecewise CUDA graphs need a compiled artifact; prefill and mixed steps run eagerly")
             self.piecewise_sizes = []
+        self.any_graphs = bool(self.capture_sizes or self.mixed_sizes or self.piecewise_sizes)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = [self.empty_kv_cache(self.num_blocks) for _ in range(self.num_layers)]
         kind = "e4m3, a scale per token and head" if self.kv_dtype == INLINE_SCALE_DTYPE else self.kv_dtype
@@ -90,7 +91,7 @@ class ModelRunner:
         )
         self.graphs: FullGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        if self.capture_sizes or self.mixed_sizes or self.piecewise_sizes:
+        if self.any_graphs:
             pool = torch.cuda.graph_pool_handle()  # one pool for all graphs (see atom_runtime.cuda_graphs)
             if self.capture_sizes or self.mixed_sizes:
                 self.graphs = FullGraphs(self, self.capture_sizes, pool, self.mixed_sizes)
@@ -146,7 +147,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         activation_peak = torch.cuda.max_memory_allocated() - before
         torch.cuda.empty_cache()
-        graph_bytes = self._graph_memory() if self.capture_sizes or self.mixed_sizes or self.piecewise_sizes else 0
+        graph_bytes = self._graph_memory() if self.any_graphs else 0
         free, total = torch.cuda.mem_get_info()
         available = total * self.config.gpu_memory_utilization - (total - free) - activation_peak - graph_bytes
         num_blocks = int(available // self.block_bytes)
