@@ -9,7 +9,8 @@ random tokens and `--output-len` tokens to generate, steps `--warm-steps` times,
 torch.profiler: each CUDA kernel's device time a step, largest first (on a CPU: each op's own CPU time). Also what
 the steps held: sequences, tokens (prefill tokens ride along in mixed steps), the context their decodes read, and that
 context's KV bytes over the attention kernels' time a step; and the host's phases a step (launch: preparing and
-queueing it, wait: blocked on the device), with `--host-profile` a cProfile of the timed steps.
+queueing it, wait: blocked on the device), with `--host-profile` a cProfile of the timed steps, with `--trace` the
+profiled steps' Chrome trace (which kernels ran side by side, on which streams).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--profiled-steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=15, help="kernels listed")
     parser.add_argument("--host-profile", action="store_true", help="also where the timed steps' host time goes")
+    parser.add_argument("--trace", type=Path, help="also write the profiled steps' Chrome trace")
     parser.add_argument("--out", type=Path, default=Path("profile_steps.json"))
     args = parser.parse_args()
 
@@ -100,6 +102,8 @@ def main() -> None:
         for _ in range(args.profiled_steps):
             core.step()
         sync()
+    if args.trace:
+        profile.export_chrome_trace(str(args.trace))
     profiled = plans[-args.profiled_steps :]
     n = args.profiled_steps
 
