@@ -286,8 +286,11 @@ def test_piecewise_graphs_equal_plain_forward(llama_artifact):
         runner.piecewise = piecewise
         # chunked prefill (24-token budget) and mixed prefill + decode steps, padded to 4, 8, 16 or 24 tokens
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-        graphed = [p for p in vars(runner.model.forward.pieces).values() if hasattr(p, "graphs")]
-        assert all(set(p.graphs) == {4, 8, 16, 24} for p in graphed)
+        graphed = {n: p for n, p in vars(runner.model.forward.pieces).items() if hasattr(p, "graphs")}
+        assert all(set(p.graphs) == {4, 8, 16, 24} for p in graphed.values())
+        entries = runner.model.forward.manifest["pieces"]
+        kv_ops = [c.name for c in calls if entries[c.name]["kv_cache_op"]]  # a cache write, then attention, a layer
+        assert {n for n in kv_ops if n in graphed} == set(kv_ops[0::2])  # the cache writes replay; attention does not
         piecewise.release()
     finally:
         llm.shutdown()
