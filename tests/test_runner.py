@@ -269,12 +269,13 @@ class EmulatedGraph:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation; test_gpu.py serves real piecewise graphs")
-def test_piecewise_graphs_equal_plain_forward(llama_artifact):
+@pytest.mark.parametrize("artifact", ["llama_artifact", "qwen3_artifact"])  # Qwen3's cache write norms q and k
+def test_piecewise_graphs_equal_plain_forward(artifact, request):
     from atom_runtime.cuda_graphs import PiecewiseGraphs
 
     prompts = ["Hello there", "The quick brown fox jumps over", "a b c d e f g h i j k", "x"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(llama_artifact), block_size=4, max_num_batched_tokens=24)
+    llm = LLM(str(request.getfixturevalue(artifact)), block_size=4, max_num_batched_tokens=24)
     try:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runner = llm.engine.core.runner
