@@ -153,7 +153,11 @@ class FullGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = step()
+                logits, drawn = step()
+            # Held by an unowned view, its logits (fp32, a vocabulary wide: 4 GiB for FULL mode's graphs of a 128 k
+            # vocabulary) return to the pool for the next graphs: whatever reads a replay's logits (the sampler,
+            # logprobs, the copies `ModelRunner.launch` queues) is queued before the next replay, in stream order.
+            self.outputs[key] = unowned(logits), drawn
             self.graphs[key] = graph
         torch.cuda.synchronize()
 
