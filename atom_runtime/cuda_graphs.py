@@ -153,7 +153,11 @@ class FullGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = step()
+                logits, drawn = step()
+            # Held by an unowned view, its logits (fp32, a vocabulary wide: 4 GiB for FULL mode's graphs of a 128 k
+            # vocabulary) return to the pool for the next graphs: whatever reads a replay's logits (the sampler,
+            # logprobs, the copies `ModelRunner.launch` queues) is queued before the next replay, in stream order.
+            self.outputs[key] = unowned(logits), drawn
             self.graphs[key] = graph
         torch.cuda.synchronize()
 
@@ -219,15 +223,15 @@ def _map_tensors(fn: Callable[[Tensor], Tensor], value):
 
 
 class PiecewiseGraphs:
-    """CUDA graphs of an artifact's compiled pieces, one per token-count bucket; attention runs between them.
+    """CUDA graphs of an artifact's pieces, one per token-count bucket; attention runs between them.
 
     For prefill and mixed batches (and, in PIECEWISE mode, decode): a step's tokens are padded up to a
-    captured size, each compiled piece replays its graph for that size, and the KV-cache pieces
-    (cache writes, attention), whose work depends on the batch's sequences and not only on its
-    token count, run eagerly in between. A graph reads its inputs where they were at capture:
-    weights and step inputs never move, outputs of earlier graphs sit in the graph pool, and what
-    the eager pieces return is copied into static buffers. Pieces that take per-sequence inputs
-    (the last one gathers the sampled rows' logits) run eagerly too.
+    captured size, and each piece whose work depends on the token count alone replays its graph for that
+    size: the compiled pieces, and the cache writes (`qkv_rope_and_cache` and its kin read per-token
+    positions and slots; padding tokens' slot -1 writes nothing). Pieces that take per-sequence inputs run
+    eagerly in between: attention, and the last piece (it gathers the sampled rows' logits). A graph reads
+    its inputs where they were at capture: weights and step inputs never move, outputs of earlier graphs sit
+    in the graph pool, and what the eager pieces return is copied into static buffers.
     """
 
     PER_SEQUENCE = ("block_tables", "seq_lens", "query_start_loc", "logits_indices")
@@ -241,8 +245,14 @@ class PiecewiseGraphs:
         per_sequence = {i.placeholder for i in model.inputs if i.target in self.PER_SEQUENCE}
         weights = {i.placeholder for i in model.inputs if i.kind == "weight"}
         entries = model.manifest["pieces"]
+        # (An eager host section a layer less: the cache write's launches cost a 512-token step's host as much as
+        # attention's, and mixed steps of the offline run's budget were host-bound.)
         graphed = {
-            c.name: c for c in model.calls if entries[c.name]["compiled"] and c.plain and not per_sequence & set(c.args)
+            c.name: c
+            for c in model.calls
+            if (entries[c.name]["compiled"] or entries[c.name]["kv_cache_op"])
+            and c.plain
+            and not per_sequence & set(c.args)
         }
         copied = {source for c in graphed.values() for source in c.sources} - set(graphed)
         wrapped = {}

@@ -160,9 +160,8 @@ class ModelRunner:
         return num_blocks
 
     def _graph_memory(self) -> int:
-        """Memory the graphs will hold: the largest of each kind captured over a one-block cache, with margin, and
-        the logits every other whole-step graph keeps (fp32, a vocabulary wide: for a 128 k vocabulary 0.96 GiB for
-        the 20 decode graphs of the default mode, 4.2 GiB with FULL mode's 108 mixed graphs)."""
+        """Memory the graphs will hold: the largest of each kind captured over a one-block cache, with margin (their
+        outputs share the pool, `unowned`)."""
         size = max(self.capture_sizes + self.mixed_sizes + self.piecewise_sizes)
         cache = self.empty_kv_cache(1)
         self.kv_caches = [cache] * self.num_layers
@@ -171,14 +170,12 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         trials: list[FullGraphs | PiecewiseGraphs] = []
         full_keys: list[GraphKey] = []  # every whole-step graph but the short batch-1 one (the table here is narrow)
-        kept_rows = 0  # logits rows those keep beyond the trial's
         if self.capture_sizes or self.mixed_sizes:
             full_keys = FullGraphs(self, self.capture_sizes, pool, self.mixed_sizes).capture_keys()
             trial = FullGraphs(self, self.capture_sizes[-1:], pool, self.mixed_sizes[-1:])
             decode, mixed = ([k for k in trial.capture_keys() if (k.tokens is None) == d][:1] for d in (True, False))
             trial.capture(decode + mixed, progress=False)  # the largest of each kind
             trials.append(trial)
-            kept_rows = sum(k.size for k in full_keys) - sum(k.size for k in decode + mixed)
         if self.piecewise_sizes:
             trial = PiecewiseGraphs(self.model.forward, [max(self.piecewise_sizes)], pool)
             if trial.num_graphed:
@@ -191,8 +188,7 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         short = FullGraphs.short_graph_blocks(self.capture_sizes, max_blocks, self.block_size) is not None
         graphs = len(full_keys) + len(self.piecewise_sizes) + int(short)
-        kept = (kept_rows + int(short)) * self.model.config.vocab_size * 4
-        return int(used * 1.2) + (2 << 20) * graphs + kept
+        return int(used * 1.2) + (2 << 20) * graphs
 
     def profile_run(self) -> None:
         """One step of max_num_batched_tokens prompt tokens, to measure peak activation memory; with as many logits
