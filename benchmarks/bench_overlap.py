@@ -10,6 +10,9 @@ sequences with contexts drawn from 1024-2048, the four linears of one layer for 
 other on one stream, and both at once on two streams (fork/join inside one graph). `hidden` is the serial time
 less the concurrent one, as a share of the shorter of the two.
 
+--gemm-sms N...: also with the linears confined to N multiprocessors (cuBLAS's SM count target, through torch's
+experimental SM carveout, fixed in the graph at capture), so that attention's blocks find the rest free.
+
 --attention-sms N...: also with attention confined to a green context of N multiprocessors (torch.cuda.green_contexts;
 the linears keep the whole GPU, so they can still take the free ones), launched eagerly (green-context streams are
 not captured), timed by the wall clock around both streams' work.
@@ -18,6 +21,7 @@ not captured), timed by the wall clock around both streams' work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from functools import partial
 from pathlib import Path
@@ -47,6 +51,17 @@ def on(stream: torch.cuda.Stream, calls: list) -> None:
     with torch.cuda.stream(stream):
         for call in calls:
             call()
+
+
+@contextlib.contextmanager
+def gemm_sms(n: int | None):
+    """cuBLAS launches (and graphs capture) its GEMMs on `n` multiprocessors; None: all of them."""
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    torch._C._set_sm_carveout_experimental(None if n is None else total - n)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
 
 
 def partitioned_rows(attend: list, linears_by_m: dict[int, list], sms: list[int]) -> list[dict]:
@@ -89,12 +104,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="decoding sequences")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--ms", type=int, nargs="+", default=[256, 512, 1024, 2048], help="prefill tokens")
+    parser.add_argument("--gemm-sms", type=int, nargs="*", default=[], help="SM count targets of the linears")
+    parser.add_argument("--blas", choices=["cublas", "cublaslt"], help="torch's preferred BLAS library")
     parser.add_argument("--attention-sms", type=int, nargs="*", default=[], help="green-context sizes to try")
     parser.add_argument("--out", type=Path, default=Path("bench_overlap.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_overlap needs a CUDA device")
     torch.manual_seed(0)
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     copy_tbps = copy_bandwidth() / 1e12
     contexts = torch.randint(1024, 2049, (args.batch,)).tolist()
     kv_bytes = sum(contexts) * 8 * HEAD_DIM * 2 * 2
@@ -104,18 +123,22 @@ def main() -> None:
     weights = {name: torch.randn(shape, device="cuda", dtype=DTYPE) * 0.02 for name, shape in LINEARS.items()}
     attn_ms = median_ms(capture_graph(attend).replay)
     rows, linears_by_m = [], {}
-    for m in args.ms:
+    for m, sms in ((m, sms) for m in args.ms for sms in [None, *args.gemm_sms]):
         x = torch.randn(m, HIDDEN, device="cuda", dtype=DTYPE)
         h = torch.randn(m, INTERMEDIATE, device="cuda", dtype=DTYPE)
         layer = [partial(torch.mm, h if name == "down" else x, w.T) for name, w in weights.items()]
-        linears = linears_by_m[m] = layer * args.layers
-        gemm_ms = median_ms(capture_graph(linears).replay)
-        serial_ms = median_ms(capture_graph(attend + linears).replay)
-        both_ms = median_ms(capture_graph(attend, linears).replay)
+        linears = layer * args.layers
+        if sms is None:
+            linears_by_m[m] = linears
+        with gemm_sms(sms):
+            gemm_ms = median_ms(capture_graph(linears).replay)
+            serial_ms = median_ms(capture_graph(attend + linears).replay)
+            both_ms = median_ms(capture_graph(attend, linears).replay)
         flops = 2 * m * sum(n * k for n, k in LINEARS.values()) * args.layers
         rows.append(
             dict(
                 tokens=m,
+                gemm_sms=sms or torch.cuda.get_device_properties(0).multi_processor_count,
                 attention_ms=attn_ms,
                 attention_tbps=kv_bytes * args.layers / attn_ms / 1e9,
                 gemm_ms=gemm_ms,
@@ -125,12 +148,16 @@ def main() -> None:
                 hidden=(serial_ms - both_ms) / min(attn_ms, gemm_ms),
             )
         )
+    for row in rows:  # against both one after the other at full width: what the confinement buys in all
+        full = next(r for r in rows if r["tokens"] == row["tokens"])
+        row["gain"] = 1 - row["concurrent_ms"] / full["serial_ms"]
     print_table(
         f"decode attention (batch {args.batch}, contexts 1024-2048) beside prefill linears, {args.layers} "
         f"Llama-3-8B layers, {torch.cuda.get_device_name()}, copy {copy_tbps:.2f} TB/s",
         rows,
         [
             ("tokens", "prefill tokens", "d"),
+            ("gemm_sms", "linears' SMs", "d"),
             ("attention_ms", "attention ms", ".3f"),
             ("attention_tbps", "TB/s", ".2f"),
             ("gemm_ms", "linears ms", ".3f"),
@@ -138,6 +165,7 @@ def main() -> None:
             ("serial_ms", "serial ms", ".3f"),
             ("concurrent_ms", "two streams ms", ".3f"),
             ("hidden", "hidden", ".0%"),
+            ("gain", "vs serial, all SMs", ".0%"),
         ],
     )
     partitioned = partitioned_rows(attend, linears_by_m, args.attention_sms) if args.attention_sms else []
