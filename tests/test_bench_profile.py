@@ -1,5 +1,5 @@
 """bench_decode's graph replays: which graph they replay, and how a replay's span is credited to kernels (PDL
-kernels overlap)."""
+kernels overlap); profile_steps' and bench_offline's accounting of a run's steps."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_common import served_table_blocks  # noqa: E402
 from bench_decode import activity_name, critical_path, decode_graph_inputs, split_replays  # noqa: E402
 from bench_offline import StepTrace  # noqa: E402
+from profile_steps import covered_us  # noqa: E402
 
 
 def test_kernel_benches_pass_the_engines_block_tables():
@@ -98,6 +99,13 @@ def test_profile_steps_reports_each_steps_ops(llama_artifact, tmp_path):
     assert result["kernels"] and result["kernels"][0]["ms"] >= result["kernels"][-1]["ms"] > 0
     assert 1 <= result["seqs"] <= 3 and result["tokens"] <= 16 and result["wall_ms"] > 0
     assert "kernels, device time a step" in run.stdout
+
+
+def test_profile_steps_counts_overlapping_kernels_once():
+    """A step's prefill tiles run beside its decode programs: attention's time is the wall its kernels cover."""
+    spans = [SimpleNamespace(start=a, end=b) for a, b in [(10, 30), (0, 5), (12, 40), (50, 60), (55, 58), (4, 6)]]
+    assert covered_us(spans) == 6 + 30 + 10
+    assert covered_us([]) == 0
 
 
 def test_offline_step_kinds_split_the_run():
