@@ -6,14 +6,17 @@
 The real `EngineCore` (scheduler, block manager, preemption, the step loop) runs the requests; a stand-in runner
 charges each step the time the measured rates give it instead of running a model:
 - decode attention: the step's context tokens x KV bytes a token, read at `--kv-tb-s` (decode attention's measured
-  rate at batch 256, `bench_kernels.py --only decode`), or at `--mixed-kv-tb-s` in a step with prefill tokens (a
-  profiled mixed step's, the prefill tiles' launch in); prefill attention's FLOPs at `--prefill-attention-tflops`;
+  rate at batch 256, `bench_kernels.py --only decode`), or at `--mixed-kv-tb-s` in a step with prefill tokens (what
+  a measured mixed step leaves its decodes once its linears are counted, the prefill tiles' tail in); prefill
+  attention's FLOPs at `--prefill-attention-tflops`;
 - the decoder layers' linears for M tokens: interpolated between `--linear-ms M:ms` points, the whole model's
   qkv/o/gate_up/down (defaults: `bench_overlap.py`'s 8-layer timings x 4 for M >= 256; M = 1 is the batch-1 step
   less its LM head and attention, from `bench_decode.py`); the LM head as those linears scaled by its share of the
   weights, for the rows that sample.
-Defaults are Llama-3-8B's on one H100 (twenty-fourth and twenty-fifth sessions); against `bench_offline.py` at
-048deee the model gives 131.0 s for 133.8 measured (budget 8192) and 141.2 for 139.3 (budget 512).
+Defaults are Llama-3-8B's on one H100 (twenty-fourth, twenty-fifth and twenty-ninth sessions); against
+`bench_offline.py` at 31335c3 the model gives 122.9 s for 124.7 measured (budget 512), 128.4 for 134.2 (2048) and
+130.8 for 135.7 (8192). (The mixed rate was 2.05 TB/s while mixed steps were bound by the host: 2.75 since the cache
+writes joined the piecewise graphs: 216 decodes and ~296 prompt tokens in 26.57 ms, 10.5 of them linears.)
 
 It prints the modeled run for each setting and two floors: `serial` (every byte of KV read once at the decode rate,
 every prompt token's linears at the large-M rate, the fewest decode steps `max_num_seqs` allows, nothing recomputed)
@@ -166,11 +169,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, nargs="+", default=[256])
     parser.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[8192, 2048])
-    parser.add_argument("--kv-cache-tokens", type=int, default=440_000, help="the KV cache bench_offline reported")
+    parser.add_argument("--kv-cache-tokens", type=int, default=435_000, help="the KV cache bench_offline reported")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-tb-s", type=float, default=2.96, help="decode attention's KV read rate")
     parser.add_argument(
-        "--mixed-kv-tb-s", type=float, default=2.05, help="the same in steps with prefill tokens (their tiles' tail in)"
+        "--mixed-kv-tb-s", type=float, default=2.75, help="the same in steps with prefill tokens (their tiles' tail in)"
     )
     parser.add_argument("--copy-tb-s", type=float, default=2.94, help="HBM copy bandwidth")
     parser.add_argument("--prefill-attention-tflops", type=float, default=300.0)
