@@ -11,7 +11,8 @@ other on one stream, and both at once on two streams (fork/join inside one graph
 less the concurrent one, as a share of the shorter of the two.
 
 --gemm-sms N...: also with the linears confined to N multiprocessors (cuBLAS's SM count target, through torch's
-experimental SM carveout, fixed in the graph at capture), so that attention's blocks find the rest free.
+experimental SM carveout, fixed in the graph at capture), so that attention's blocks find the rest free. With torch
+2.11 only cuBLASLt honours it: pass `--blas cublaslt`.
 
 --attention-sms N...: also with attention confined to a green context of N multiprocessors (torch.cuda.green_contexts;
 the linears keep the whole GPU, so they can still take the free ones), launched eagerly (green-context streams are
