@@ -159,6 +159,7 @@ class FullGraphs:
             # logprobs, the copies `ModelRunner.launch` queues) is queued before the next replay, in stream order.
             self.outputs[key] = unowned(logits), drawn
             self.graphs[key] = graph
+            del logits, drawn  # (else this graph's logits stay owned through the next capture: two alive at once)
         torch.cuda.synchronize()
 
     def replay(self, key: GraphKey) -> tuple[Tensor, Tensor | None]:
@@ -236,7 +237,14 @@ class PiecewiseGraphs:
 
     PER_SEQUENCE = ("block_tables", "seq_lens", "query_start_loc", "logits_indices")
 
-    def __init__(self, model: CompiledModel, sizes: list[int], pool, graph: Callable = PieceGraph) -> None:
+    def __init__(
+        self,
+        model: CompiledModel,
+        sizes: list[int],
+        pool,
+        graph: Callable = PieceGraph,
+        cache_writes: bool | None = None,
+    ) -> None:
         self.sizes = sorted(sizes)
         self.pool = pool
         self.graph = graph
@@ -245,15 +253,16 @@ class PiecewiseGraphs:
         per_sequence = {i.placeholder for i in model.inputs if i.target in self.PER_SEQUENCE}
         weights = {i.placeholder for i in model.inputs if i.kind == "weight"}
         entries = model.manifest["pieces"]
-        # (An eager host section a layer less: the cache write's launches cost a 512-token step's host as much as
-        # attention's, and mixed steps of the offline run's budget were host-bound.)
-        graphed = {
-            c.name: c
-            for c in model.calls
-            if (entries[c.name]["compiled"] or entries[c.name]["kv_cache_op"])
-            and c.plain
-            and not per_sequence & set(c.args)
-        }
+        plain = [c for c in model.calls if c.plain and not per_sequence & set(c.args)]
+        graphed = {c.name: c for c in plain if entries[c.name]["compiled"]}
+        # The cache writes too (an eager host section a layer less: their launches cost a 512-token step's host as
+        # much as attention's, and mixed steps of the offline run's budget were host-bound), where their kernels can
+        # be captured: Triton's (the torch reference drops padding slots with a boolean mask, a host sync), and where
+        # compiled pieces are graphed at all (at level 0 their graphs would only add copies of the eager pieces).
+        if cache_writes is None:
+            cache_writes = model.manifest["ops_backend"] == "triton"
+        if graphed and cache_writes:
+            graphed |= {c.name: c for c in plain if entries[c.name]["kv_cache_op"]}
         copied = {source for c in graphed.values() for source in c.sources} - set(graphed)
         wrapped = {}
         for name, piece in vars(model.pieces).items():

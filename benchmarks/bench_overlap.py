@@ -112,6 +112,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_overlap needs a CUDA device")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if any(not 0 < n < sms for n in args.gemm_sms):
+        parser.error(f"--gemm-sms: between 1 and {sms - 1} (this GPU has {sms} multiprocessors)")
     torch.manual_seed(0)
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -124,14 +127,14 @@ def main() -> None:
     weights = {name: torch.randn(shape, device="cuda", dtype=DTYPE) * 0.02 for name, shape in LINEARS.items()}
     attn_ms = median_ms(capture_graph(attend).replay)
     rows, linears_by_m = [], {}
-    for m, sms in ((m, sms) for m in args.ms for sms in [None, *args.gemm_sms]):
+    for m, gemm in ((m, gemm) for m in args.ms for gemm in [None, *args.gemm_sms]):
         x = torch.randn(m, HIDDEN, device="cuda", dtype=DTYPE)
         h = torch.randn(m, INTERMEDIATE, device="cuda", dtype=DTYPE)
         layer = [partial(torch.mm, h if name == "down" else x, w.T) for name, w in weights.items()]
         linears = layer * args.layers
-        if sms is None:
+        if gemm is None:
             linears_by_m[m] = linears
-        with gemm_sms(sms):
+        with gemm_sms(gemm):
             gemm_ms = median_ms(capture_graph(linears).replay)
             serial_ms = median_ms(capture_graph(attend + linears).replay)
             both_ms = median_ms(capture_graph(attend, linears).replay)
@@ -139,7 +142,7 @@ def main() -> None:
         rows.append(
             dict(
                 tokens=m,
-                gemm_sms=sms or torch.cuda.get_device_properties(0).multi_processor_count,
+                gemm_sms=gemm or sms,
                 attention_ms=attn_ms,
                 attention_tbps=kv_bytes * args.layers / attn_ms / 1e9,
                 gemm_ms=gemm_ms,

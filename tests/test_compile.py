@@ -166,9 +166,14 @@ def test_cpu_pieces_multiply_without_calling_back_into_python(llama_artifact):
 
 
 def test_level0_runs_eager_pieces(eager_artifact, tiny_llama):
+    from atom_runtime.cuda_graphs import PiecewiseGraphs
+
     manifest = json.loads((eager_artifact[0] / "manifest.json").read_text())
     assert manifest["level"] == 0 and not any(p["compiled"] for p in manifest["pieces"].values())
     assert tokens(eager_artifact[0]) == tokens(tiny_llama, device="cpu")
+    # Nothing compiled, nothing for piecewise graphs: not even the cache writes (their graphs would only add copies).
+    model = ac.load_artifact(eager_artifact[0])
+    assert PiecewiseGraphs(model, [4, 8], None, cache_writes=True).num_graphed == 0
 
 
 def test_other_torch_version(artifact_copy):

@@ -278,7 +278,13 @@ def test_piecewise_graphs_equal_plain_forward(artifact, request):
     try:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         runner = llm.engine.core.runner
-        piecewise = PiecewiseGraphs(runner.model.forward, [4, 8, 16, 24], None, graph=EmulatedGraph)
+        entries = runner.model.forward.manifest["pieces"]
+        reference = PiecewiseGraphs(runner.model.forward, [4], None, EmulatedGraph)  # the torch backend's writes:
+        replayed = [n for n, p in vars(runner.model.forward.pieces).items() if hasattr(p, "graphs")]
+        assert replayed and not any(entries[n]["kv_cache_op"] for n in replayed)  # eager (a host sync to capture)
+        reference.release()
+        # (the cache writes run the torch reference here: graphed as on a GPU, whose Triton writes capture)
+        piecewise = PiecewiseGraphs(runner.model.forward, [4, 8, 16, 24], None, EmulatedGraph, cache_writes=True)
         calls = runner.model.forward.calls
         assert 0 < piecewise.num_graphed < len(calls)
         assert calls[-1].name not in {n for n, p in vars(runner.model.forward.pieces).items() if hasattr(p, "graphs")}
@@ -288,7 +294,6 @@ def test_piecewise_graphs_equal_plain_forward(artifact, request):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
         graphed = {n: p for n, p in vars(runner.model.forward.pieces).items() if hasattr(p, "graphs")}
         assert all(set(p.graphs) == {4, 8, 16, 24} for p in graphed.values())
-        entries = runner.model.forward.manifest["pieces"]
         kv_ops = [c.name for c in calls if entries[c.name]["kv_cache_op"]]  # a cache write, then attention, a layer
         assert {n for n in kv_ops if n in graphed} == set(kv_ops[0::2])  # the cache writes replay; attention does not
         piecewise.release()
