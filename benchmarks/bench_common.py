@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -20,6 +21,7 @@ import triton
 from atom_models.checkpoints import make_config, make_config_only
 from atom_models.llama import head_dim_of
 from atom_runtime.cuda_graphs import fits_short_graph, short_table_blocks
+from atom_runtime.scheduler import ScheduledChunk, Scheduler
 
 # The served max_model_len (Llama-3's) the kernel benchmarks' block tables are as wide as: a lone sequence's decode
 # launch takes its splits from its table's width (`attention.decode_splits`), so the tables are those the engine's
@@ -74,6 +76,69 @@ def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
     if embedding is not None and sum(t.data_ptr() == embedding.data_ptr() for t in weights.values()) == 1:
         del unique[embedding.data_ptr()]
     return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+# Decode batches by size: a run's ramp and tail (few sequences, the weights read for few tokens) against its body.
+DECODE_BATCHES = ((1, 63), (64, 191), (192, None))
+
+
+class StepTrace:
+    """Each scheduled step's (time, sequences, tokens, decodes, cached keys its decodes read), taken where the engine
+    schedules it: the time between two steps' scheduling is the first's (the loop runs a step a turn)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int, int, int, int]] = []
+
+    @classmethod
+    def attach(cls, scheduler: Scheduler) -> StepTrace:
+        """A trace of every step `scheduler` schedules from now on."""
+        trace, schedule = cls(), scheduler.schedule
+
+        def traced_schedule():
+            plan = schedule()
+            trace.record(plan.chunks)
+            return plan
+
+        scheduler.schedule = traced_schedule
+        return trace
+
+    def record(self, chunks: list[ScheduledChunk]) -> None:
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.samples]
+        tokens = sum(c.num_tokens for c in chunks)
+        self.steps.append((time.perf_counter(), len(chunks), tokens, len(decodes), sum(c.start + 1 for c in decodes)))
+
+    def by_kind(self, weight_bytes: int, kv_token_bytes: float) -> list[dict]:
+        """Seconds, steps and the memory read (weights once a step, decodes' keys) a second, by kind of step."""
+        kinds: dict[str, list] = {}
+        for (start, seqs, tokens, decodes, keys), (end, *_) in itertools.pairwise(self.steps):
+            if not seqs:
+                continue
+            if decodes == 0:
+                kind = "prefill"
+            elif decodes < seqs:
+                kind = "mixed"
+            else:
+                low, high = next((lo, hi) for lo, hi in DECODE_BATCHES if hi is None or seqs <= hi)
+                kind = f"decode {low}-{high}" if high else f"decode {low}+"
+            kinds.setdefault(kind, []).append((end - start, seqs, tokens, keys))
+        total = sum(t for rows in kinds.values() for t, *_ in rows)
+        table = []
+        for kind, rows in kinds.items():
+            seconds = sum(t for t, *_ in rows)
+            read = len(rows) * weight_bytes + sum(k for *_, k in rows) * kv_token_bytes
+            table.append(
+                {
+                    "kind": kind,
+                    "steps": len(rows),
+                    "seconds": seconds,
+                    "share": seconds / total,
+                    "seqs": sum(s for _, s, _, _ in rows) / len(rows),
+                    "tokens": sum(n for _, _, n, _ in rows) / len(rows),
+                    "ms_per_step": seconds / len(rows) * 1e3,
+                    "read_tb_s": read / seconds / 1e12,
+                }
+            )
+        return sorted(table, key=lambda row: row["kind"])
 
 
 def device_name() -> str:

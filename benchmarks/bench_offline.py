@@ -13,66 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_common import device_name, dummy_artifact, print_table, step_weight_bytes, write_json
+from bench_common import StepTrace, device_name, dummy_artifact, print_table, step_weight_bytes, write_json
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
-from atom_runtime.scheduler import ScheduledChunk
-
-# Decode batches by size: a run's ramp and tail (few sequences, the weights read for few tokens) against its body.
-DECODE_BATCHES = ((1, 63), (64, 191), (192, None))
-
-
-class StepTrace:
-    """Each scheduled step's (time, sequences, tokens, decodes, cached keys its decodes read), taken where the engine
-    schedules it: the time between two steps' scheduling is the first's (the loop runs a step a turn)."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[float, int, int, int, int]] = []
-
-    def record(self, chunks: list[ScheduledChunk]) -> None:
-        decodes = [c for c in chunks if c.num_tokens == 1 and c.samples]
-        tokens = sum(c.num_tokens for c in chunks)
-        self.steps.append((time.perf_counter(), len(chunks), tokens, len(decodes), sum(c.start + 1 for c in decodes)))
-
-    def by_kind(self, weight_bytes: int, kv_token_bytes: float) -> list[dict]:
-        """Seconds, steps and the memory read (weights once a step, decodes' keys) a second, by kind of step."""
-        kinds: dict[str, list] = {}
-        for (start, seqs, tokens, decodes, keys), (end, *_) in itertools.pairwise(self.steps):
-            if not seqs:
-                continue
-            if decodes == 0:
-                kind = "prefill"
-            elif decodes < seqs:
-                kind = "mixed"
-            else:
-                low, high = next((lo, hi) for lo, hi in DECODE_BATCHES if hi is None or seqs <= hi)
-                kind = f"decode {low}-{high}" if high else f"decode {low}+"
-            kinds.setdefault(kind, []).append((end - start, seqs, tokens, keys))
-        total = sum(t for rows in kinds.values() for t, *_ in rows)
-        table = []
-        for kind, rows in kinds.items():
-            seconds = sum(t for t, *_ in rows)
-            read = len(rows) * weight_bytes + sum(k for *_, k in rows) * kv_token_bytes
-            table.append(
-                {
-                    "kind": kind,
-                    "steps": len(rows),
-                    "seconds": seconds,
-                    "share": seconds / total,
-                    "seqs": sum(s for _, s, _, _ in rows) / len(rows),
-                    "tokens": sum(n for _, _, n, _ in rows) / len(rows),
-                    "ms_per_step": seconds / len(rows) * 1e3,
-                    "read_tb_s": read / seconds / 1e12,
-                }
-            )
-        return sorted(table, key=lambda row: row["kind"])
 
 
 def main() -> None:
@@ -116,17 +65,7 @@ def main() -> None:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
         llm.generate(prompt_token_ids=prompts[:4], sampling_params=params[:4])  # warm-up
         before = dataclasses.replace(llm.engine.core.stats)
-        trace = StepTrace() if args.step_kinds else None
-        if trace is not None:
-            scheduler = llm.engine.core.scheduler
-            schedule = scheduler.schedule
-
-            def traced_schedule():
-                plan = schedule()
-                trace.record(plan.chunks)
-                return plan
-
-            scheduler.schedule = traced_schedule
+        trace = StepTrace.attach(llm.engine.core.scheduler) if args.step_kinds else None
         started = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
         seconds = time.perf_counter() - started

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import device_name, print_table, write_json
+from bench_common import StepTrace, device_name, print_table, write_json
 
 from atom_models.llama import head_dim_of
 from atom_runtime.config import CUDAGRAPH_MODES, EngineConfig
@@ -84,16 +84,7 @@ def main() -> None:
     for i in range(args.num_prompts):
         prompt = torch.randint(0, model.vocab_size, (args.input_len,), generator=generator).tolist()
         core.add_request(str(i), prompt, params)
-    plans = []
-    schedule = core.scheduler.schedule
-
-    def recorded_schedule():
-        plan = schedule()
-        decodes = [c for c in plan.chunks if c.num_tokens == 1]
-        plans.append((len(plan.chunks), sum(c.num_tokens for c in plan.chunks), sum(c.start + 1 for c in decodes)))
-        return plan
-
-    core.scheduler.schedule = recorded_schedule
+    steps = StepTrace.attach(core.scheduler)
     for _ in range(args.warm_steps):
         core.step()
     sync()
@@ -113,7 +104,7 @@ def main() -> None:
         sync()
     if args.trace:
         profile.export_chrome_trace(str(args.trace))
-    profiled = plans[-args.profiled_steps :]
+    profiled = steps.steps[-args.profiled_steps :]
     n = args.profiled_steps
 
     def own_us(event) -> float:
@@ -129,19 +120,19 @@ def main() -> None:
     # stretched over the decodes' tail would count twice (a FULL graph's step: 8.42 ms summed, 6.94 ms of wall).
     attention = [e.time_range for e in profile.events() if e.device_type == device_type and "attention" in e.name]
     attention_ms = covered_us(attention) / n / 1e3
-    context = sum(p[2] for p in profiled) / n
+    context = sum(keys for *_, keys in profiled) / n
     summary = {
         "wall_ms": wall_ms,
         **phases,
         "kernel_ms": sum(k["ms"] for k in kernels),
-        "seqs": sum(p[0] for p in profiled) / n,
-        "tokens": sum(p[1] for p in profiled) / n,
+        "seqs": sum(seqs for _, seqs, *_ in profiled) / n,
+        "tokens": sum(tokens for _, _, tokens, *_ in profiled) / n,
         "decode_context": context,
         "attention_ms": attention_ms,
         "kv_tb_s": context * kv_bytes / (attention_ms * 1e-3) / 1e12 if attention_ms else None,
         "preemptions": core.scheduler.num_preemptions,
     }
-    title = f"{args.artifact.name}: steps {args.warm_steps + 1}-{len(plans)}, {device_name()}"
+    title = f"{args.artifact.name}: steps {args.warm_steps + 1}-{len(steps.steps)}, {device_name()}"
     print_table(
         title,
         [summary],

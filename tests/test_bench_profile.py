@@ -17,9 +17,8 @@ from atom_runtime.cuda_graphs import SHORT_CONTEXT, FullGraphs, GraphKey
 from atom_runtime.step_inputs import StepInputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from bench_common import served_table_blocks  # noqa: E402
+from bench_common import StepTrace, served_table_blocks  # noqa: E402
 from bench_decode import activity_name, critical_path, decode_graph_inputs, split_replays  # noqa: E402
-from bench_offline import StepTrace  # noqa: E402
 from profile_steps import covered_us  # noqa: E402
 
 
