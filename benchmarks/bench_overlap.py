@@ -17,12 +17,21 @@ experimental SM carveout, fixed in the graph at capture), so that attention's bl
 --attention-sms N...: also with attention confined to a green context of N multiprocessors (torch.cuda.green_contexts;
 the linears keep the whole GPU, so they can still take the free ones), launched eagerly (green-context streams are
 not captured), timed by the wall clock around both streams' work.
+
+--split-sms K...: nano-batches on disjoint partitions, the layout a mixed step would take (NanoFlow): the decodes'
+chain (their four linears at M = batch, attention after qkv) on a green context of K multiprocessors, the prompt
+tokens' linears on another holding the rest, each captured into a graph on its own green-context stream (a node runs
+where its capture stream's context does), both replayed at once; against the step as atom runs it, one chain of
+linears at M = batch + prefill tokens with the decodes' attention, on the whole GPU. The two partitions come from one
+split of the device's multiprocessors through the driver API (torch 2.11's green contexts each split the whole
+device, so two of them share multiprocessors).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import time
 from functools import partial
 from pathlib import Path
@@ -100,6 +109,115 @@ def partitioned_rows(attend: list, linears_by_m: dict[int, list], sms: list[int]
     return rows
 
 
+class Driver:
+    """The few CUDA driver calls that split the multiprocessors into disjoint green contexts."""
+
+    RESOURCE_BYTES = 144  # sizeof(CUdevResource): the same in CUDA 12.4 and 13.1's headers
+    SM_COUNT_OFFSET = 96  # CUdevResource.sm.smCount
+    SM_RESOURCE, GREEN_CTX_DEFAULT_STREAM, STREAM_NON_BLOCKING = 1, 1, 1
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.device = ctypes.c_int()
+        self.call("cuDeviceGet", ctypes.byref(self.device), torch.cuda.current_device())
+
+    def call(self, name: str, *args) -> None:
+        result = getattr(self.lib, name)(*args)
+        if result != 0:
+            raise RuntimeError(f"{name}: CUresult {result}")
+
+    def resource(self) -> ctypes.Array:
+        return (ctypes.c_ubyte * self.RESOURCE_BYTES)()
+
+    def sm_count(self, resource: ctypes.Array) -> int:
+        return int.from_bytes(bytes(resource[self.SM_COUNT_OFFSET : self.SM_COUNT_OFFSET + 4]), "little")
+
+    def split_streams(self, first_sms: int) -> list[tuple[torch.cuda.ExternalStream, int]]:
+        """A stream on a green context of `first_sms` multiprocessors (rounded up to the architecture's granularity)
+        and one on the rest, with their SM counts; the contexts live as long as the process."""
+        whole, first, rest = self.resource(), self.resource(), self.resource()
+        self.call("cuDeviceGetDevResource", self.device, whole, self.SM_RESOURCE)
+        groups = ctypes.c_uint(1)
+        self.call("cuDevSmResourceSplitByCount", first, ctypes.byref(groups), whole, rest, 0, first_sms)
+        streams = []
+        for part in (first, rest):
+            desc, context, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+            self.call("cuDevResourceGenerateDesc", ctypes.byref(desc), part, 1)
+            self.call("cuGreenCtxCreate", ctypes.byref(context), desc, self.device, self.GREEN_CTX_DEFAULT_STREAM)
+            self.call("cuGreenCtxStreamCreate", ctypes.byref(stream), context, self.STREAM_NON_BLOCKING, 0)
+            streams.append((torch.cuda.ExternalStream(stream.value), self.sm_count(part)))
+        return streams
+
+
+def graph_on(stream: torch.cuda.Stream, calls: list) -> torch.cuda.CUDAGraph:
+    """`calls` captured on `stream` (run once there first), to replay on it."""
+    on(stream, calls)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    return graph
+
+
+def replay_ms(pairs: list[tuple[torch.cuda.Stream, torch.cuda.CUDAGraph]]) -> float:
+    """Wall time of replaying each graph on its stream, all at once."""
+
+    def run() -> None:
+        for stream, graph in pairs:
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream, _ in pairs:
+            stream.synchronize()
+
+    return wall_ms(run, reps=20)
+
+
+def split_rows(attend: list, batch: int, layers: int, weights: dict, ms: list[int], splits: list[int]) -> list[dict]:
+    """The decodes' chain and the prompt tokens' linears on disjoint partitions, against one chain on the whole GPU."""
+
+    def chain(m: int, with_attention: bool) -> list:
+        x = torch.randn(m, HIDDEN, device="cuda", dtype=DTYPE)
+        h = torch.randn(m, INTERMEDIATE, device="cuda", dtype=DTYPE)
+        calls = []
+        for layer in range(layers):
+            for name, w in weights.items():
+                calls.append(partial(torch.mm, h if name == "down" else x, w.T))
+                if name == "qkv" and with_attention:
+                    calls.append(attend[layer])
+        return calls
+
+    driver = Driver()
+    whole = torch.cuda.Stream()
+    decodes = chain(batch, True)
+    rows = []
+    for m in ms:
+        prompts = chain(m, False)
+        serial = replay_ms([(whole, graph_on(whole, chain(batch + m, True)))])
+        side = torch.cuda.Stream()
+        both_whole = replay_ms([(whole, graph_on(whole, decodes)), (side, graph_on(side, prompts))])
+        for k in splits:
+            (decode_stream, decode_sms), (prompt_stream, prompt_sms) = driver.split_streams(k)
+            decode_graph, prompt_graph = graph_on(decode_stream, decodes), graph_on(prompt_stream, prompts)
+            decode_ms = replay_ms([(decode_stream, decode_graph)])
+            prompt_ms = replay_ms([(prompt_stream, prompt_graph)])
+            split_ms = replay_ms([(decode_stream, decode_graph), (prompt_stream, prompt_graph)])
+            rows.append(
+                dict(
+                    tokens=m,
+                    decode_sms=decode_sms,
+                    prompt_sms=prompt_sms,
+                    serial_ms=serial,
+                    two_streams_ms=both_whole,
+                    decode_ms=decode_ms,
+                    prompt_ms=prompt_ms,
+                    split_ms=split_ms,
+                    gain=1 - split_ms / serial,
+                )
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256, help="decoding sequences")
@@ -108,6 +226,7 @@ def main() -> None:
     parser.add_argument("--gemm-sms", type=int, nargs="*", default=[], help="SM count targets of the linears")
     parser.add_argument("--blas", choices=["cublas", "cublaslt"], help="torch's preferred BLAS library")
     parser.add_argument("--attention-sms", type=int, nargs="*", default=[], help="green-context sizes to try")
+    parser.add_argument("--split-sms", type=int, nargs="*", default=[], help="the decodes' partition sizes to try")
     parser.add_argument("--out", type=Path, default=Path("bench_overlap.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -187,9 +306,29 @@ def main() -> None:
                 ("hidden", "hidden", ".0%"),
             ],
         )
+    split = split_rows(attend, args.batch, args.layers, weights, args.ms, args.split_sms) if args.split_sms else []
+    if split:
+        print_table(
+            f"nano-batches on disjoint green contexts: the decodes' chain ({args.batch} sequences) on K "
+            "multiprocessors, the prompt tokens' linears on the rest, against one chain on all (graphs, wall clock)",
+            split,
+            [
+                ("tokens", "prefill tokens", "d"),
+                ("decode_sms", "K", "d"),
+                ("prompt_sms", "rest", "d"),
+                ("serial_ms", "one chain ms", ".3f"),
+                ("two_streams_ms", "two streams, all SMs ms", ".3f"),
+                ("decode_ms", "decodes on K ms", ".3f"),
+                ("prompt_ms", "prompts on rest ms", ".3f"),
+                ("split_ms", "both split ms", ".3f"),
+                ("gain", "vs one chain", ".0%"),
+            ],
+        )
     write_json(
         args.out,
-        dict(batch=args.batch, layers=args.layers, copy_tbps=copy_tbps, rows=rows, partitioned=partitioned),
+        dict(
+            batch=args.batch, layers=args.layers, copy_tbps=copy_tbps, rows=rows, partitioned=partitioned, split=split
+        ),
     )
 
 
