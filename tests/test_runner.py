@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 
@@ -182,6 +183,30 @@ def test_kv_budget_leaves_room_for_the_graphs_logits(tmp_path):
         assert total - torch.cuda.mem_get_info()[0] <= 0.5 * total + (1 << 30)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kv_budget_does_not_count_garbage(tiny_llama):
+    """Device memory that only unreachable reference cycles hold (an export in the same process leaves a model's
+    weights so, 13 GiB for Llama-3-8B) is the collector's, not in use: the budget runs the collector first."""
+
+    def blocks() -> tuple[int, int]:
+        llm = LLM(tiny_llama, device="cuda", enforce_eager=True, gpu_memory_utilization=0.5)
+        try:
+            return llm.engine.core.runner.num_blocks, llm.engine.core.runner.block_bytes
+        finally:
+            llm.shutdown()
+
+    clean, block_bytes = blocks()
+    gc.disable()  # only the budget's own collection may free the cycle
+    try:
+        cycle = {"weights": torch.empty(2 << 30, dtype=torch.uint8, device="cuda")}
+        cycle["self"] = cycle
+        del cycle
+        with_garbage, _ = blocks()
+    finally:
+        gc.enable()
+    assert abs(with_garbage - clean) * block_bytes < 1 << 30
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
