@@ -101,7 +101,14 @@ def trace(
 
 
 def export(model_dir, output, **options) -> dict:
-    """`atom-compile export` from Python; keyword arguments are `ExportOptions` fields."""
+    """`atom-compile export` from Python; keyword arguments are `ExportOptions` fields.
+
+    The traced FX graphs are cyclic, so the model they hold (its weights on the export device) is garbage only the
+    collector frees: run before returning, or the caller's next allocations (a KV cache) find that memory taken."""
+    import gc
+
     from atom_compile.export import export_model
 
-    return export_model(model_dir, output, ExportOptions(**options))
+    manifest = export_model(model_dir, output, ExportOptions(**options))
+    gc.collect()
+    return manifest

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
 import re
@@ -9,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -263,6 +266,26 @@ def test_export_replaces_only_an_artifact(eager_artifact, tiny_llama, tmp_path):
     again = shutil.copytree(eager_artifact[0], tmp_path / "again")  # an artifact is replaced
     ac.export(checkpoint, again, device="cpu", level=0)
     assert json.loads((again / "manifest.json").read_text())["weights"]["model_dir"] == str(checkpoint)
+
+
+def test_export_leaves_no_model_behind(tiny_llama, tmp_path, monkeypatch):
+    """An export's FX graphs are cyclic, so the model they hold (its weights on the export device: 13 GiB of a
+    Llama-3-8B) would wait for the collector, and a caller's next allocation with it: export runs it first."""
+    export_module = importlib.import_module("atom_compile.export")
+    build_model, built = export_module.build_model, []
+
+    def recording_build(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(export_module, "build_model", recording_build)
+    gc.disable()  # only export's own collection may free it
+    try:
+        ac.export(tiny_llama, tmp_path / "artifact", device="cpu", level=0)
+    finally:
+        gc.enable()
+    assert len(built) == 1 and built[0]() is None
 
 
 def test_dummy_weights_rebuild_from_their_config(tiny_llama, tmp_path):
