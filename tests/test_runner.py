@@ -76,8 +76,8 @@ def test_padded_mixed_step_equals_unpadded(runner):
         padded = runner.model.forward(*runner._step_args(*shape))
     assert plain.shape[0] == 2  # the decodes sample; the prompt's chunk does not
     torch.testing.assert_close(padded[:2], plain)
-    for c, expected in zip(runner.kv_caches, cache_plain, strict=True):
-        torch.testing.assert_close(c, expected, rtol=0, atol=0)
+    for c, expected in zip(runner.kv_caches, cache_plain, strict=True):  # a wrong slot would differ by O(1); the
+        torch.testing.assert_close(c, expected)  # K/V GEMM at 16 rows rounds unlike at 9 on some CPUs (AVX-512 EPYC)
     for seq in [*seqs, prompt]:
         block_manager.free(seq)
 
