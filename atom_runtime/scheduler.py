@@ -113,7 +113,7 @@ class Scheduler:
             if not self.block_manager.allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()
-            if seq.num_output_tokens == 0:  # count the first admission of a prompt, not resumptions
+            if not seq.num_preemptions:  # count the first admission of a prompt, not resumptions
                 self.block_manager.prefix_queries += seq.num_tokens
                 self.block_manager.prefix_hits += seq.num_computed_tokens
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -131,6 +131,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        seq.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retire `seq` (done, stopped or aborted) and free its blocks."""

@@ -47,6 +47,7 @@ class Sequence:
         # Tokens whose keys/values are in the cache; the rest are computed in later steps.
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of the prompt, found in the prefix cache at first schedule
+        self.num_preemptions = 0  # times its blocks were freed to be recomputed
         self.block_table: list[int] = []  # only ever extended in place, or replaced
         self.block_hashes: list[int] = []  # chained hash of each full block, in order
         self.arrival_time = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from atom_runtime.block_manager import BlockManager, block_hash
 from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.scheduler import ScheduledChunk, Scheduler
 from atom_runtime.sequence import PLACEHOLDER, Sequence
 
 
@@ -15,6 +16,18 @@ def run_prompt(bm: BlockManager, s: Sequence) -> None:
     prefix = bm.cached_prefix(s)
     assert bm.allocate(s, s.num_tokens - len(prefix) * bm.block_size, prefix)
     s.num_computed_tokens = s.num_tokens
+
+
+def step(sched: Scheduler, token: int = 7) -> list[ScheduledChunk]:
+    """One engine step whose sampled tokens are known at once (what `EngineCore._commit` and `_finish_in_flight` do)."""
+    chunks = sched.schedule().chunks
+    for c in chunks:
+        c.seq.num_computed_tokens = c.start + c.num_tokens
+        if c.samples:
+            c.seq.token_ids.append(token)
+            if c.seq.num_tokens >= c.seq.max_num_tokens:
+                sched.finish(c.seq, "length")
+    return chunks
 
 
 def test_hashes_chain_on_the_prefix():
@@ -70,3 +83,19 @@ def test_blocks_holding_unsampled_tokens_are_not_hashed():
     assert bm.allocate(s, 1)  # next step: the filled block is hashed now that its tokens are known
     assert len(s.block_hashes) == 2
     assert bm.cached_prefix(seq([1, 2, 3, 4, 5], "b")) == s.block_table[:2]
+
+
+def test_a_prompt_preempted_mid_prefill_does_not_count_its_own_blocks_as_cache_hits():
+    """`b` grows into the block `a`'s next chunk needs: `a` is preempted after one chunk of its prompt, and resumes
+    from the block it hashed itself. That is no prefix-cache hit of its prompt (vLLM counts only the first lookup)."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=3)
+    b = Sequence("b", 0, [1, 2], SamplingParams(max_tokens=3))
+    a = Sequence("a", 0, list(range(10, 16)), SamplingParams(max_tokens=1))
+    sched.add(b)
+    sched.add(a)
+    while sched.has_work():
+        step(sched)
+    assert sched.num_preemptions == 1 and a.finished and a.num_tokens == 7
+    assert a.num_cached_tokens == 0
+    assert (bm.prefix_queries, bm.prefix_hits) == (2 + 6, 0)
