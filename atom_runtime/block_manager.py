@@ -51,6 +51,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
+    def blocks_to_take(self, prefix: list[int], num_new_tokens: int) -> int:
+        """Free-pool blocks that admitting a sequence takes: its new blocks, and those of its cached `prefix` that no
+        one holds (they leave the evictable set); prefix blocks a running sibling holds cost nothing."""
+        new = self.blocks_needed(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
+        return new + sum(1 for b in prefix if self.ref_counts[b] == 0)
+
     def _take_free_block(self) -> int:
         if self.free_blocks:
             block = self.free_blocks.popleft()
@@ -88,9 +94,7 @@ class BlockManager:
         ):
             return True  # the common decode step: room in the last block, no block filled
         if not seq.block_table and prefix:
-            needed = self.blocks_needed(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
-            revived = sum(1 for b in prefix if self.ref_counts[b] == 0)
-            if needed > self.num_free_blocks - revived:
+            if self.blocks_to_take(prefix, num_new_tokens) > self.num_free_blocks:
                 return False
             for block in prefix:
                 self._hold(block)

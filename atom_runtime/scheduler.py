@@ -107,7 +107,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
             if seq.scores_prompt:
                 num_new = min(num_new, rows)
-            needed = self.block_manager.blocks_needed(len(prefix) * self.block_manager.block_size + num_new)
+            needed = self.block_manager.blocks_to_take(prefix, num_new)
             if self.running and self.block_manager.num_free_blocks - needed < self.watermark_blocks:
                 break
             if not self.block_manager.allocate(seq, num_new, prefix):

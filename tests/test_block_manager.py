@@ -99,3 +99,19 @@ def test_a_prompt_preempted_mid_prefill_does_not_count_its_own_blocks_as_cache_h
     assert sched.num_preemptions == 1 and a.finished and a.num_tokens == 7
     assert a.num_cached_tokens == 0
     assert (bm.prefix_queries, bm.prefix_hits) == (2 + 6, 0)
+
+
+def test_a_sibling_is_admitted_on_the_prefix_blocks_its_sibling_holds():
+    """n > 1: once one sample has prefilled a long prompt, another needs one new block, not the prompt's 60 again (the
+    admission's watermark counted the held prefix blocks as taken from the free pool, so it waited with 39 free)."""
+    bm = BlockManager(num_blocks=100, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=256)
+    prompt = list(range(1000, 1120))
+    first = Sequence("r", 0, prompt, SamplingParams(max_tokens=4))
+    sched.add(first)
+    step(sched)
+    second = Sequence("r", 1, prompt, SamplingParams(max_tokens=4))
+    sched.add(second)
+    free = bm.num_free_blocks
+    assert [(c.seq, c.num_tokens) for c in step(sched)] == [(first, 1), (second, 2)]
+    assert bm.num_free_blocks == free - 2 and second.num_cached_tokens == 118  # a block each: 121st token, 2 new
