@@ -210,6 +210,23 @@ def test_continuous_usage_stats(client):
     assert [c.usage.completion_tokens for c in chat if c.choices and c.choices[0].finish_reason] == [4]
 
 
+def test_stream_chunks_share_created_and_carry_usage(http, monkeypatch):
+    """As OpenAI's: every chunk of a stream has the same `created`; with continuous usage stats (vLLM's), every chunk
+    has the usage so far, the chat's opening role chunks too (the prompt's, no completion tokens yet)."""
+    from atom_runtime.server import protocol
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(protocol, "time", type("Clock", (), {"time": staticmethod(lambda: 1e9 + next(ticks))}))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in [(COMPLETIONS, {"prompt": "Ticking"}), (CHAT, {"messages": OK_CHAT, "n": 2})]:
+        body |= {"model": MODEL, "max_tokens": 4, "ignore_eos": True, "stream": True, "stream_options": options}
+        with http.stream("POST", path, json=body | {"return_token_ids": True}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert len(chunks) >= 2 and len({chunk["created"] for chunk in chunks}) == 1, path
+        prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+        assert all(chunk["usage"]["prompt_tokens"] == prompt_tokens for chunk in chunks), path
+
+
 def test_chat_continues_the_final_message(http, engine):
     """An assistant turn of the history without content, and a last message the model continues (vLLM's
     `continue_final_message`): the prompt is the history up to inside that message."""
@@ -574,6 +591,22 @@ AUTO_REPLIES = {
 
 
 @pytest.mark.parametrize("parser", AUTO_REPLIES)
+def test_tool_choice_auto_leaves_a_call_without_a_name_as_content(parsing_http, parser):
+    """A reply shaped as a call whose name is not a string is the model's content (as vLLM's parsers leave it), not
+    a 400 blaming the request."""
+    http = parsing_http(tool_call_parser=parser)
+    reply = {"hermes": '<tool_call>{"name": 5, "arguments": {}}</tool_call>', "llama3_json": '{"name": null}'}[parser]
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 60, "guided_choice": [reply]}
+    response = http.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"] == {"role": "assistant", "content": reply, "tool_calls": []}
+    with http.stream("POST", CHAT, json=body | {"stream": True}) as response:
+        lines = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert "error" not in lines[-1], lines[-1]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in lines if c["choices"]) == reply
+
+
+@pytest.mark.parametrize("parser", AUTO_REPLIES)
 def test_tool_choice_auto_reads_calls(parsing_http, parser):
     """With tool_choice "auto" the model may call: the server's parser finds the calls in its text (forced here with
     a regex, as a random model never writes one), whole and streamed, and leaves text without one as content."""
@@ -888,6 +921,18 @@ BAD_REQUESTS = {
         {"messages": OK_CHAT, "chat_template_kwargs": {"tokenize": True}},
         400,
         "chat_template_kwargs",
+    ),
+    "template kwargs that are the template's messages": (
+        CHAT,
+        {"messages": OK_CHAT, "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs",
+    ),
+    "max_completion_tokens beyond context": (
+        CHAT,
+        {"messages": OK_CHAT, "max_completion_tokens": 5000},
+        400,
+        "max_completion_tokens",
     ),
     "generation prompt and continuing": (
         CHAT,

@@ -26,6 +26,7 @@ HERMES = {
     ),
     "not a call": ("<tool_call>{oops}</tool_call>", "<tool_call>{oops}</tool_call>", []),
     "unclosed": ('Hm <tool_call>{"name": "f"', 'Hm <tool_call>{"name": "f"', []),
+    "a name that is not a string": ('<tool_call>{"name": 5}</tool_call>', '<tool_call>{"name": 5}</tool_call>', []),
 }
 
 
@@ -43,6 +44,7 @@ LLAMA3_JSON = {
     ),
     "JSON that is not a call": ('{"answer": 42}', '{"answer": 42}', []),
     "cut short": ('{"name": "f", "parameters": {"x"', '{"name": "f", "parameters": {"x"', []),
+    "a name that is not a string": ('{"name": null, "parameters": {}}', '{"name": null, "parameters": {}}', []),
 }
 CASES = [("hermes", name) for name in HERMES] + [("llama3_json", name) for name in LLAMA3_JSON]
 
@@ -87,6 +89,7 @@ REPLIES = {
     ("deepseek_r1", "hmm</think>yes", False): ("hmm", "yes"),
     ("deepseek_r1", "<think>hmm</think>", False): ("hmm", None),
     ("deepseek_r1", "cut short", False): ("cut short", None),
+    ("deepseek_r1", "<thi", False): ("<thi", None),  # cut short inside a `<think>` it writes again: thinking
     ("deepseek_r1", '{"a": 1}', True): (None, '{"a": 1}'),  # constrained from its first token: all answer
 }
 

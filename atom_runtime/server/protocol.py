@@ -345,6 +345,12 @@ class ChatCompletionRequest(_SamplingFields):
         "reasoning_effort": "reasoning effort",
     }
 
+    def field_of(self, param: str | None) -> str | None:
+        """As `_SamplingFields.field_of`; max_tokens is max_completion_tokens where the request set that one."""
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().field_of(param)
+
     def tool_mode(self, auto_tools: bool) -> str:
         """How the completion uses the tools: "none", "auto" (the model may call them; `auto_tools`: the server
         parses calls), "required" (at least one call), or "named" (that function's)."""

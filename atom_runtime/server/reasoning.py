@@ -61,4 +61,5 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         """What is held back at the end, as the part it was in."""
         rest, self.buffer = self.buffer, ""
-        return (rest, "") if self.state == "thinking" else ("", rest)
+        # (a deepseek_r1 reply still "opening" is a start of `<think>` and nothing more: thinking, as whole)
+        return (rest, "") if self.state in ("thinking", "opening") else ("", rest)

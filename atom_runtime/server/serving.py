@@ -10,6 +10,7 @@ iterators and so aborts the sequences and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -64,16 +65,20 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0
 # Status for a request whose client left before the answer (nginx's "client closed request").
 _CLIENT_CLOSED = 499
-# apply_chat_template's own arguments, which a request's chat_template_kwargs may not set.
+# apply_chat_template's own arguments, and those it renders the template with (conversations, messages), which a
+# request's chat_template_kwargs may not set (a clash is a TypeError in transformers).
 _RENDER_ARGUMENTS = frozenset(
     {
         "conversation",
+        "conversations",
+        "messages",
         "tools",
         "documents",
         "chat_template",
         "add_generation_prompt",
         "continue_final_message",
         "tokenize",
+        "sanitize_control_tokens",
         "padding",
         "truncation",
         "max_length",
@@ -231,6 +236,13 @@ class OpenAIServing:
     ) -> AsyncIterator[BaseModel]:
         sent: dict[int, _Sent] = {}
         finals: list[RequestOutput | None] = [None] * len(prompts)
+        created = int(time.time())  # every chunk has the same, as OpenAI's
+
+        def chunk(*choices: CompletionChoice, usage: Usage | None = None) -> CompletionResponse:
+            return CompletionResponse(
+                id=request_id, created=created, model=self.served_model_name, choices=list(choices), usage=usage
+            )
+
         async for p, output in outputs:
             finals[p] = output
             for completion in output.outputs:
@@ -240,9 +252,9 @@ class OpenAIServing:
                 choice = self._completion_choice(request, index, sent[index], completion, output)
                 if choice is not None:
                     usage = _usage([f for f in finals if f is not None]) if request.continuous_usage else None
-                    yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice], usage=usage)
+                    yield chunk(choice, usage=usage)
         if request.include_usage:
-            yield CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(finals))
+            yield chunk(usage=_usage(finals))
 
     def _completion_sent(self, request: CompletionRequest, prompt: _Prompt, params: SamplingParams) -> _Sent:
         """A choice's `_Sent` before its first news: with `echo`, the prompt to send first (and its tokens), as the
@@ -311,7 +323,8 @@ class OpenAIServing:
             raise
         function = request.named_tool().name if mode == "named" else None
         if request.stream:
-            return _sse(self._chat_chunks(request, request_id, params, outputs, mode, function))
+            prompt_tokens = len(self.engine.truncated(prompt.token_ids, params))
+            return _sse(self._chat_chunks(request, request_id, params, outputs, mode, function, prompt_tokens))
         (final,) = await _unless_disconnected(raw, _final_outputs(outputs, 1))
         choices = []
         for completion in final.outputs:
@@ -354,15 +367,22 @@ class OpenAIServing:
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         tool_mode: str,
         function: str | None,
+        prompt_tokens: int,
     ) -> AsyncIterator[BaseModel]:
-        """`tool_mode`, `function`: the request's use of tools (`_ToolStream`)."""
+        """`tool_mode`, `function`: the request's use of tools (`_ToolStream`); `prompt_tokens`: the prompt's length
+        as the request runs it, for the usage of the chunks before the first output."""
+        created = int(time.time())  # every chunk has the same, as OpenAI's
 
         def chunk(*choices: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=list(choices), usage=usage)
+            return ChatCompletionChunk(
+                id=request_id, created=created, model=self.served_model_name, choices=list(choices), usage=usage
+            )
 
         # As OpenAI does: every choice opens with the role, before any text.
+        # (with continuous usage stats every chunk has the usage so far, these too, as vLLM's)
+        opening = Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens) if request.continuous_usage else None
         for index in range(params.n):
-            yield chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")))
+            yield chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")), usage=opening)
         sent = [_Sent() for _ in range(params.n)]
         streams = [_ToolStream(tool_mode, function, self.tool_call_parser) for _ in range(params.n)]
         constrained = params.structured_outputs is not None

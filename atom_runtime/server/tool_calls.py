@@ -59,6 +59,8 @@ def _hermes_call(body: str) -> Call | None:
     try:
         call = json.loads(body)
         arguments = call.get("arguments", {})
+        if not isinstance(call["name"], str):  # (a model's `"name": null`: not a call, as vLLM's parser has it)
+            return None
         return Call(
             call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         )
@@ -143,6 +145,8 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[Call]]:
         while at < len(body):
             call, at = decoder.raw_decode(body, at)
             arguments = call.get("parameters", call.get("arguments", {}))
+            if not isinstance(call["name"], str):
+                return text, []
             calls.append(Call(call["name"], json.dumps(arguments, ensure_ascii=False)))
             while at < len(body) and body[at] in " \t\n;":
                 at += 1
