@@ -451,6 +451,25 @@ def test_echo_with_logprobs(client, http):
     assert chat_scores[0] is None and all(len(entry) == 1 for entry in chat_scores[1:])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client, http):
+    """lm-evaluation-harness's loglikelihood requests (echo, logprobs, max_tokens 0): the prompt and its logprobs,
+    nothing generated, the same scores as an echo that generates."""
+    kwargs = dict(model=MODEL, prompt="Echo me", temperature=0, echo=True, logprobs=1)
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": "Echo me"}).json()["tokens"]
+    scored = client.completions.create(**kwargs, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == "Echo me" and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(prompt_ids) and choice.logprobs.token_logprobs[0] is None
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(prompt_ids), 0)
+    generated = client.completions.create(**kwargs, max_tokens=3, extra_body={"ignore_eos": True})
+    assert choice.logprobs.token_logprobs == generated.choices[0].logprobs.token_logprobs[: len(prompt_ids)]
+    streamed = list(client.completions.create(**kwargs, max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == "Echo me"
+    assert streamed[-1].choices[0].finish_reason == "length"
+    refused = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "Echo me", "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"  # only echo scores
+
+
 def test_bad_words(http):
     letters = http.post("/tokenize", json={"model": MODEL, "prompt": "xyz", "add_special_tokens": False}).json()
     body = {"model": MODEL, "prompt": "Words", "max_tokens": 30, "seed": 1, "ignore_eos": True, "n": 3}

@@ -223,7 +223,14 @@ class CompletionRequest(_SamplingFields):
             _refuse("best_of", f"best_of other than n ({self.best_of} against n={self.n})")
         # echo with logprobs: the echoed prompt's tokens come with theirs (the first with none), as OpenAI's did
         echoed = self.logprobs if self.echo else None
-        return self._sampling_params(defaults, self.max_tokens, self.logprobs, echoed)
+        return self._sampling_params(defaults, 1 if self.scores_only else self.max_tokens, self.logprobs, echoed)
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt comes back with its logprobs and nothing is generated (how
+        lm-evaluation-harness scores continuations; the engine runs one token, which the answer leaves out, as
+        vLLM's)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a request, each a string or a list of token ids."""

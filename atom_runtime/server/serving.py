@@ -13,7 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -212,6 +212,8 @@ class OpenAIServing:
         except InvalidRequestError as error:  # name the field the client sent
             error.param = request.field_of(error.param)
             raise
+        if request.scores_only:
+            outputs = _without_generation(outputs)
         if request.stream:
             return _sse(self._completion_chunks(request, request_id, prompts, params, outputs))
         finals = await _unless_disconnected(raw, _final_outputs(outputs, len(prompts)))
@@ -627,6 +629,28 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         for reader in readers:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+
+
+async def _without_generation(
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Each prompt's final output with its samples emptied (`CompletionRequest.scores_only`): no text, tokens or
+    logprobs of their own, ended by the length limit of 0."""
+    async for p, output in outputs:
+        if output.finished:
+            emptied = [
+                replace(
+                    c,
+                    text="",
+                    token_ids=[],
+                    cumulative_logprob=None,
+                    logprobs=None if c.logprobs is None else [],
+                    finish_reason="length",
+                    stop_reason=None,
+                )
+                for c in output.outputs
+            ]
+            yield p, replace(output, outputs=emptied)
 
 
 async def _final_outputs(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
