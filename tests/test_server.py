@@ -1186,6 +1186,18 @@ def test_profile(http, profile_dir):
     assert any(e.get("name", "").startswith("aten::") for e in events)  # the core thread's ops were recorded
 
 
+def test_a_response_the_server_fails_to_build_is_a_500(server, monkeypatch):
+    """Only a request body that does not parse is the client's fault (400): a model the server builds wrong is its
+    own (500), though pydantic raises the same error for both."""
+    from atom_runtime.server import serving
+
+    monkeypatch.setattr(serving, "_usage", lambda finals: serving.Usage(prompt_tokens="many", completion_tokens=0))
+    # (a fresh connection: after a 500 the server closes the one it answered on)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    response = httpx.post(f"{server.url}{COMPLETIONS}", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 500 and response.json()["error"]["type"] == "internal_server_error"
+
+
 def test_profile_off(engine):
     with TestClient(build_app(engine, MODEL)) as test_client:
         response = test_client.post("/start_profile")

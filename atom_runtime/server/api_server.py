@@ -20,14 +20,14 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 
 import atom_models
 from atom_runtime.async_engine import AsyncEngine
 from atom_runtime.engine_args import create_engine_kwargs
 from atom_runtime.loading import create_engine
-from atom_runtime.server.errors import APIError, error_response, install_error_handlers
+from atom_runtime.server.errors import APIError, error_response, install_error_handlers, validation_error
 from atom_runtime.server.profiler import EngineProfiler
 from atom_runtime.server.protocol import (
     ChatCompletionRequest,
@@ -55,7 +55,10 @@ def _body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:
             raise APIError(HTTPStatus.BAD_REQUEST, f"the request body is not valid UTF-8: {error}") from error
-        parsed = model.model_validate_json(text)
+        try:
+            parsed = model.model_validate_json(text)
+        except ValidationError as error:
+            raise validation_error(error.errors()) from error
         if ignored := getattr(parsed, "ignored_fields", None):
             names = ", ".join(repr(name[:64]) for name in ignored[:16])
             logger.warning("%s: ignored fields the server does not know: %s", request.url.path, names)

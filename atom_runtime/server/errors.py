@@ -15,7 +15,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from atom_runtime.async_engine import EngineDeadError
@@ -55,8 +54,8 @@ def as_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, InvalidRequestError):
         return APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.param)
-    if isinstance(error, ValidationError | RequestValidationError):
-        return _validation_error(error.errors())
+    if isinstance(error, RequestValidationError):
+        return validation_error(error.errors())
     if isinstance(error, EngineDeadError):
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(error), type="service_unavailable_error")
     if isinstance(error, HTTPException):
@@ -65,7 +64,8 @@ def as_api_error(error: Exception) -> APIError:
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {error!r}", type="internal_server_error")
 
 
-def _validation_error(problems: Sequence[dict[str, Any]]) -> APIError:
+def validation_error(problems: Sequence[dict[str, Any]]) -> APIError:
+    """A request body that does not parse (a model the server builds wrong is a 500, not the client's fault)."""
     if problems[0]["type"] == "json_invalid":
         return APIError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {problems[0]['msg']}")
     details = "; ".join(f"{'.'.join(map(str, p['loc'])) or 'body'}: {p['msg']}" for p in problems)
@@ -88,7 +88,6 @@ def install_error_handlers(app: FastAPI) -> None:
     for kind in (
         APIError,
         InvalidRequestError,
-        ValidationError,
         RequestValidationError,
         EngineDeadError,
         HTTPException,
