@@ -574,9 +574,11 @@ def test_tool_choice_named_and_required(client):
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         assert_call(choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments)
     # (a random model under a JSON schema writes whitespace freely: room for it)
-    streamed = client.chat.completions.create(**kwargs | {"max_tokens": 900}, tool_choice="required", stream=True)
-    content, calls, finish = streamed_calls(streamed)
+    streamed = list(client.chat.completions.create(**kwargs | {"max_tokens": 900}, tool_choice="required", stream=True))
+    content, calls, finish = streamed_calls(iter(streamed))
     assert content == "" and finish == "tool_calls" and calls
+    # the call's JSON is held back until it ends: no empty chunk stands for each held token (the role's opens)
+    assert all(c.choices[0].delta.tool_calls or c.choices[0].finish_reason for c in streamed[1:])
     for call in calls:
         assert_call(*call)
 

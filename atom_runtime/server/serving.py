@@ -404,6 +404,8 @@ class OpenAIServing:
                             held = reasoner.finish()
                             reasoning, answer = reasoning + held[0], answer + held[1]
                     content, tool_calls = stream.feed(answer, finished)
+                    if not (content or reasoning or tool_calls or finished or with_tokens):
+                        continue  # all of it held back (a call's JSON, a tag): no empty delta, as vLLM's
                     yield chunk(
                         ChatChunkChoice(
                             index=delta.index,
