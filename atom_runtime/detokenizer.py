@@ -21,11 +21,17 @@ PROMPT_CONTEXT_TOKENS = 6
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(
-            ids=prompt_token_ids[-PROMPT_CONTEXT_TOKENS:], skip_special_tokens=params.skip_special_tokens
-        )
+        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        # Stepped through, not given as the stream's `ids`: a prompt that ends inside a character (token ids) would
+        # then have no prefix the stream knows, and its whole text would come out with the first output token.
+        for token_id in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]:
+            self.stream.step(tokenizer, token_id)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        # As vLLM: stop strings count once the output is past min_tokens; a stop token's text is not the output's.
+        self.min_tokens = params.min_tokens
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.num_tokens = 0
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.skip_special_tokens = params.skip_special_tokens
         self.pending: list[int] = []  # tokens the stream holds back, not yet valid UTF-8
@@ -43,6 +49,9 @@ class IncrementalDetokenizer:
         """Append a token; returns the stop string if the text now contains one."""
         if self.stopped_by is not None:
             return None
+        self.num_tokens += 1
+        if token_id in self.stop_token_ids and self.num_tokens > self.min_tokens and not self.include_stop:
+            return None  # the token the output stops at
         piece = self.stream.step(self.tokenizer, token_id)
         if piece is None:
             self.pending.append(token_id)
@@ -62,9 +71,12 @@ class IncrementalDetokenizer:
 
     def _extend(self, piece: str) -> str | None:
         text = self.text
-        search_from = max(0, len(text) - self.holdback)
+        end = len(text)  # a stop string ends in the new piece: what came before had none, or was within min_tokens
         text += piece
-        found = [(at, stop) for stop in self.stop if (at := text.find(stop, search_from)) >= 0]
+        if self.num_tokens <= self.min_tokens:
+            found = []
+        else:
+            found = [(at, stop) for stop in self.stop if (at := text.find(stop, max(0, end - len(stop) + 1))) >= 0]
         if not found:
             self.pieces[0] = text
             return None

@@ -113,15 +113,15 @@ class Sampler:
         positions in `draws` one token on (`sample_rows`' `advance`): rows drawn again here take them one back."""
         params = [s.params for s in seqs]
         raw_logits = logits
-        if any(p.needs_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), seqs)
         if any(p.shapes_logits for p in params):
-            logits = self._shape(logits.clone() if logits is raw_logits else logits, seqs)
+            logits = self._shape(logits.clone(), seqs)
         if any(p.structured_outputs is not None for p in params):
             logits = logits.clone() if logits is raw_logits else logits
             apply_masks(logits, [s.matcher for s in seqs])
         if any(p.min_tokens and s.num_output_tokens < p.min_tokens for s, p in zip(seqs, params, strict=True)):
             logits = self._block_stop_tokens(logits.clone() if logits is raw_logits else logits, seqs)
+        if any(p.needs_penalties for p in params):  # last, as vLLM: a repetition penalty scales a logit_bias too
+            logits = self._apply_penalties(logits, seqs)  # (a new tensor)
         filtered = any(p.filters for p in params)
         if drawn is not None and (filtered or logits is not raw_logits):  # drawn again, where the graph's draw was
             draws = draws._replace(positions=draws.positions - 1)
@@ -182,7 +182,9 @@ class Sampler:
         """min_tokens: stop tokens at -inf, except in a row whose grammar allows nothing else (it ends there)."""
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens and seq.stops_on:
-                stops = on_device(sorted(seq.stops_on), torch.long, logits.device)
+                # (stop_token_ids outside the vocabulary are never drawn: nothing to block, nor to index)
+                in_vocab = sorted(t for t in seq.stops_on if 0 <= t < logits.shape[1])
+                stops = on_device(in_vocab, torch.long, logits.device)
                 if seq.matcher is None:
                     logits[row, stops] = float("-inf")
                 else:  # chosen on the device: no sync
@@ -199,13 +201,14 @@ class Sampler:
         top_p = [1.0 if p.greedy else p.top_p for p in params]
         min_p = [0.0 if p.greedy else p.min_p for p in params]
         scaled = logits / torch.where(draws.temperature > 0, draws.temperature, 1.0).unsqueeze(1)
+        # min-p first, as vLLM: top-p then takes its share of what min-p leaves.
+        if any(p > 0 for p in min_p):  # p < min_p * max(p), as logits: below max(scaled) + log(min_p)
+            floor = scaled.amax(dim=-1, keepdim=True) + on_device(min_p, torch.float32, device).log().unsqueeze(1)
+            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
         if any(k > 0 for k in top_k):
             scaled = self._top_k(scaled, top_k)
         if any(p < 1.0 for p in top_p):
             scaled = self._top_p(scaled, on_device(top_p, torch.float32, device))
-        if any(p > 0 for p in min_p):  # p < min_p * max(p), as logits: below max(scaled) + log(min_p)
-            floor = scaled.amax(dim=-1, keepdim=True) + on_device(min_p, torch.float32, device).log().unsqueeze(1)
-            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
         unit = on_device([0.0 if p.greedy else 1.0 for p in params], torch.float32, device)
         return sample_rows(scaled, unit, draws.seeds, draws.positions)
 
@@ -223,7 +226,8 @@ class Sampler:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop a token once the mass before it already reaches top_p; the first always stays.
-        drop = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p.unsqueeze(1)
+        # A row at top_p 1 drops nothing: its rounded cumulative sum can reach 1 before its last tokens.
+        drop = ((cumulative - sorted_logits.softmax(dim=-1)) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
         drop[:, 0] = False
         return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
 

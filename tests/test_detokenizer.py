@@ -52,3 +52,25 @@ def test_invalid_bytes_flush_at_the_end():
         detok.add(token)
     detok.flush()
     assert detok.text == TOKENIZER.decode(tokens)
+
+
+def test_stop_strings_count_only_past_min_tokens():
+    """As vLLM: a stop string that ends within the first min_tokens tokens does not stop the output; one that ends
+    after them does, even where it began before (the short stop "ab" is not found again later)."""
+    detok, _, stop = feed("STOPxySTOPz", stop=["STOP"], min_tokens=5)
+    assert stop == "STOP" and detok.text == "STOPxy"
+    detok, _, stop = feed("xSTOPy", stop=["STOP"], min_tokens=3)
+    assert stop == "STOP" and detok.text == "x"
+    detok, _, stop = feed("xabcd", stop=["ab", "longstop"], min_tokens=3)
+    assert stop is None and detok.text == "xabcd"
+
+
+def test_a_prompt_ending_inside_a_character_stays_out_of_the_text():
+    """Prompt token ids that end with part of a character: the output's first tokens complete it (as vLLM's
+    stream, primed with the prompt), and none of the prompt's text comes out with them."""
+    head = TOKENIZER.encode("日")
+    detok = IncrementalDetokenizer(TOKENIZER.backend_tokenizer, TOKENIZER.encode("ab") + head[:2], SamplingParams())
+    for token in head[2:] + TOKENIZER.encode("c"):
+        detok.add(token)
+    detok.flush()
+    assert detok.text == "日c"

@@ -134,6 +134,27 @@ def test_min_tokens_holds_back_stop_tokens(llm):
     assert len(tokens) >= 5 and first not in tokens[:4]
 
 
+def test_min_tokens_with_stop_token_ids_outside_the_vocabulary(llm):
+    """A stop token id the model cannot draw has nothing to hold back: the request runs, and the engine lives on."""
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[10**6], ignore_eos=True)
+    assert len(llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids) == 4
+    assert len(llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids) == 24
+
+
+def test_a_stop_tokens_text_is_left_out_of_the_output(llm):
+    """As vLLM: the token an output stops at (stop_token_ids) is in its token ids, not its text, unless
+    include_stop_str_in_output. The output is held to letters (allowed_token_ids) so that each token has text."""
+    letters = [llm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "abcde"]
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=letters)
+    tokens = llm.generate(PROMPTS[1], SamplingParams(**base))[0].outputs[0].token_ids
+    end = tokens.index(tokens[2]) + 1
+    out = llm.generate(PROMPTS[1], SamplingParams(**base, stop_token_ids=[tokens[2]]))[0].outputs[0]
+    assert out.token_ids == tokens[:end] and out.finish_reason == "stop"
+    assert out.text == llm.tokenizer.decode(tokens[: end - 1])
+    kept = SamplingParams(**base, stop_token_ids=[tokens[2]], include_stop_str_in_output=True)
+    assert llm.generate(PROMPTS[1], kept)[0].outputs[0].text == llm.tokenizer.decode(tokens[:end])
+
+
 def test_temperature_sampling_is_seeded(llm):
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
     first = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
@@ -504,3 +525,43 @@ def test_bad_words(llm):
     assert tokenize_bad_words([" ab"], encode) == [encode("ab")]  # " ab" is three bytes: not a word-initial form
     word_initial = {"ab": [1, 2], " ab": [3, 2], "cd": [4], " cd": [5, 4]}.get  # a BPE's "ab" and "Ġab"
     assert tokenize_bad_words(["ab", "cd"], word_initial) == [[1, 2], [3, 2], [4]]
+
+
+def _sample(logits: torch.Tensor, seqs: list, position: int = 1) -> list[int]:
+    from atom_runtime.sampler import Draws, Sampler
+
+    draws = Draws(
+        torch.tensor([s.params.sample_temperature for s in seqs]),
+        torch.tensor([s.sampling_seed for s in seqs]),
+        torch.full((len(seqs),), position, dtype=torch.int32),
+    )
+    return Sampler()(logits, seqs, draws).token_ids.tolist()
+
+
+def test_a_repetition_penalty_scales_the_logit_bias_too():
+    """vLLM's order: logit_bias, then penalties. Token 0 (in the prompt) at 1 + 5 halves to 3, below token 1's 4
+    (a bias added after the penalty would give it 5.5)."""
+    from atom_runtime.sequence import Sequence
+
+    params = SamplingParams(temperature=0, logit_bias={0: 5.0}, repetition_penalty=2.0)
+    assert _sample(torch.tensor([[1.0, 4.0, 0.0]]), [Sequence("r", 0, [0], params)]) == [1]
+
+
+def test_top_p_takes_its_share_of_what_min_p_leaves():
+    """vLLM's order: min-p, then top-k and top-p over what it kept. Min-p 0.5 keeps 0.46 and 0.44, which top-p 0.5
+    then cuts to the first (over the whole distribution, 0.46 < 0.5 would keep the second too)."""
+    from atom_runtime.sequence import Sequence
+
+    logits = torch.tensor([[0.46, 0.44, 0.10]]).log()
+    seq = Sequence("m", 0, [1], SamplingParams(temperature=1.0, min_p=0.5, top_p=0.5, seed=0))
+    assert {_sample(logits, [seq], position=p)[0] for p in range(100)} == {0}
+
+
+def test_a_top_p_of_one_drops_nothing_whatever_the_batch():
+    """A row at top_p 1 filtered with a row at top_p 0.9: float32's cumulative sum of a 151,936-token row reaches 1
+    before its last 15k tokens (1e-5 of the mass), which must still be drawable, as they are where it is alone."""
+    from atom_runtime.sampler import Sampler
+
+    logits = torch.randn(1, 151936, generator=torch.Generator().manual_seed(0)).mul(3).expand(2, -1)
+    kept = Sampler._top_p(logits, torch.tensor([1.0, 0.9]))
+    assert not kept[0].isneginf().any() and kept[1].isneginf().any()
