@@ -362,7 +362,11 @@ class AsyncEngine:
                     scores, k, text = output.prompt_scores[row], state.params.prompt_logprobs, state.params.detokenize
                     entries = [self._logprob_entry(scores, i, k, text) for i in range(len(scores.token_ids))]
                     state.prompt_logprobs = [None, *entries]
-                stop = detokenizer.add(token) if detokenizer is not None else None
+                # As vLLM: the token the core stopped at is the output's token, not its text. The core stops ("stop")
+                # only at a stop token: EOS or stop_token_ids (a grammar ends on accepting EOS).
+                stopped_at = row in finished and finished[row][0] == "stop"
+                if detokenizer is not None and not (stopped_at and not state.params.include_stop_str_in_output):
+                    stop = detokenizer.add(token)
             if stop is not None:
                 completion.finish_reason, completion.stop_reason = "stop", stop
                 ended.add(request_id)

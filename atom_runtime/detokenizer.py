@@ -28,9 +28,7 @@ class IncrementalDetokenizer:
             self.stream.step(tokenizer, token_id)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
-        # As vLLM: stop strings count once the output is past min_tokens; a stop token's text is not the output's.
-        self.min_tokens = params.min_tokens
-        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.min_tokens = params.min_tokens  # as vLLM: stop strings count once the output is past it
         self.num_tokens = 0
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.skip_special_tokens = params.skip_special_tokens
@@ -50,8 +48,6 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return None
         self.num_tokens += 1
-        if token_id in self.stop_token_ids and self.num_tokens > self.min_tokens and not self.include_stop:
-            return None  # the token the output stops at
         piece = self.stream.step(self.tokenizer, token_id)
         if piece is None:
             self.pending.append(token_id)

@@ -153,6 +153,12 @@ def test_a_stop_tokens_text_is_left_out_of_the_output(llm):
     assert out.text == llm.tokenizer.decode(tokens[: end - 1])
     kept = SamplingParams(**base, stop_token_ids=[tokens[2]], include_stop_str_in_output=True)
     assert llm.generate(PROMPTS[1], kept)[0].outputs[0].text == llm.tokenizer.decode(tokens[:end])
+    eos = llm.tokenizer.eos_token_id  # EOS alike, its text wanted (skip_special_tokens off) or not
+    forced = dict(temperature=0, max_tokens=4, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    out = llm.generate(PROMPTS[1], SamplingParams(**forced))[0].outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason) == ([eos], "", "stop")
+    kept = SamplingParams(**forced, include_stop_str_in_output=True)
+    assert llm.generate(PROMPTS[1], kept)[0].outputs[0].text == llm.tokenizer.decode([eos])
 
 
 def test_temperature_sampling_is_seeded(llm):
