@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import shutil
 import sys
@@ -65,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from atom_compile.export import export_model
     from atom_compile.passes import list_passes
 
-    # ValueError covers ArtifactError, WeightLoadError and UnsupportedModelError
-    user_errors = (ValueError, KeyError, FileNotFoundError)
+    # ValueError covers ArtifactError, WeightLoadError and UnsupportedModelError; OSError an output that cannot be
+    # written (under a file, no permission) as well as a missing input
+    user_errors = (ValueError, KeyError, OSError)
     try:
         if args.command == "export":
             options = ExportOptions(
@@ -131,15 +133,13 @@ def show(path: Path, piece: str | None, svg: Path | None) -> None:
 
 def render_svg(source: str, out: Path) -> None:
     """Rebuild the piece's FX graph from its source (symbolically, with proxies) and draw it."""
-    try:
-        from torch.fx.passes.graph_drawer import FxGraphDrawer
-    except ImportError:
-        FxGraphDrawer = None
-    if FxGraphDrawer is None or shutil.which("dot") is None:
+    # (torch's FxGraphDrawer imports without pydot, and raises only when used)
+    if importlib.util.find_spec("pydot") is None or shutil.which("dot") is None:
         raise ValueError("--svg needs pydot and graphviz's `dot`; without them, show prints the piece as text")
     import torch
     from torch.fx import Graph, GraphModule, Proxy
     from torch.fx.node import map_aggregate
+    from torch.fx.passes.graph_drawer import FxGraphDrawer
     from torch.fx.proxy import GraphAppendingTracer
 
     from atom_compile.graphs.codegen import load_graph_source

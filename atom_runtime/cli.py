@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve" and args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:
+        # Bad sampling and engine flags fail now, not after the demo model's export (half a minute on a CPU).
+        if args.command == "generate":
+            with_defaults({}, **_sampling_flags(args))
+        create_engine_kwargs(args)
         if args.command == "serve":  # before the model loads (or the demo model exports), and before torch imports
             check_listen_address(args.host, args.port)
             if args.chat_template is not None:
@@ -178,11 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
 
 
-async def _generate(args: argparse.Namespace) -> None:
-    from atom_runtime.loading import create_engine
-    from atom_runtime.server.profiler import EngineProfiler
-
-    flags = dict(
+def _sampling_flags(args: argparse.Namespace) -> dict:
+    """`with_defaults` arguments from `generate`'s sampling flags."""
+    return dict(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -191,7 +193,13 @@ async def _generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    with_defaults({}, **flags)  # a bad flag fails before the model loads
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from atom_runtime.loading import create_engine
+    from atom_runtime.server.profiler import EngineProfiler
+
+    flags = _sampling_flags(args)
     engine = create_engine(args.model, **create_engine_kwargs(args))
     params = with_defaults(engine.sampling_defaults, **flags)
     profiler = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # fp8: e4m3 with per-tensor scales (the checkpoint's, else 1.0); fp8_per_token_head: e4m3 with a scale per token and
@@ -30,9 +31,11 @@ class EngineConfig:
     enforce_eager: bool = False
     cudagraph_mode: str = "FULL_AND_PIECEWISE"
     cudagraph_capture_sizes: list[int] | None = None  # default: 1, 2, 4, 8, 16, 32, 48, ..., 512
-    seed: int = 0
+    seed: int | None = 0  # None: 0, as vLLM's V1 engine takes it (it has no unseeded mode either)
 
     def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = 0
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -45,8 +48,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.cpu_kvcache_space_gib <= 0:
-            raise ValueError(f"cpu_kvcache_space_gib must be positive, got {self.cpu_kvcache_space_gib}")
+        if not 0 < self.cpu_kvcache_space_gib < math.inf:  # (NaN too)
+            raise ValueError(f"cpu_kvcache_space_gib must be positive and finite, got {self.cpu_kvcache_space_gib}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be positive, got {self.num_kvcache_blocks}")
         self.cudagraph_mode = self.cudagraph_mode.upper()

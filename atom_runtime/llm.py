@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -125,7 +126,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(requests):
                 raise ValueError(f"{len(params)} sampling_params for {len(requests)} prompts")
-        return self._loop.run_until_complete(self._generate_all(requests, params, use_tqdm))
+        main = self._loop.create_task(self._generate_all(requests, params, use_tqdm))
+        try:
+            return self._loop.run_until_complete(main)
+        except BaseException:
+            # Interrupted (Ctrl-C in a notebook): the requests stop, as when one fails (`_generate_all`), rather than
+            # generate on in the engine ahead of the next call's.
+            main.cancel()
+            with contextlib.suppress(BaseException):
+                self._loop.run_until_complete(main)
+            raise
 
     async def _generate_all(self, requests, params, use_tqdm: bool) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm)
@@ -138,9 +148,15 @@ class LLM:
             bar.update(1)
             return final
 
+        tasks = [asyncio.ensure_future(one(r, p)) for r, p in zip(requests, params, strict=True)]
         try:
-            return await asyncio.gather(*(one(r, p) for r, p in zip(requests, params, strict=True)))
+            return await asyncio.gather(*tasks)
         finally:
+            # A request that failed (a prompt the engine refuses) fails the call: the others stop with it, rather than
+            # generating on in the engine ahead of the next call's, their tasks left pending in this loop.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             bar.close()
 
     def shutdown(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -58,6 +59,29 @@ def test_generate_token_ids_in_process(tiny_llama, llm, capsys):
     assert capsys.readouterr().out == expected[0].outputs[0].text + "\n"
 
 
+def test_a_refused_prompt_leaves_no_request_running(llm):
+    """LLM.generate raises for a prompt the engine refuses, and the batch's other prompts stop with it (they kept
+    generating in the engine, ahead of the next call's, and their tasks waited in the LLM's event loop)."""
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    with pytest.raises(ValueError, match="the prompt has 2000 tokens"):
+        llm.generate(prompt_token_ids=[[5, 6, 7], [5] * 2000], sampling_params=params)
+    assert not asyncio.all_tasks(llm._loop)
+    assert llm._loop.run_until_complete(llm.engine.call_in_core(lambda core: len(core.sequences))) == 0
+
+
+def test_an_interrupted_generate_leaves_no_request_running(llm):
+    """Ctrl-C in LLM.generate (a notebook's interrupt) stops its requests too."""
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    llm._loop.call_later(0.5, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Hello"] * 16, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+    assert not asyncio.all_tasks(llm._loop)
+    assert llm._loop.run_until_complete(llm.engine.call_in_core(lambda core: len(core.sequences))) == 0
+
+
 def test_generate_stop_and_ignore_eos(tiny_llama, llm, capsys):
     argv = ["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "12", "--temperature", "0", "--json"]
     main([*argv, "--ignore-eos"])
@@ -111,6 +135,8 @@ def test_generate_writes_profile(tiny_llama, tmp_path, capsys):
         (["serve", "{model}", "--reasoning-parser", "o1"], "invalid choice: 'o1'"),
         (["serve", "{model}", "--port", "70000"], "a port is 0-65535, got 70000"),
         (["generate", "{model}", "--prompt", "x", "--cpu-kvcache-space-gib", "0"], "cpu_kvcache_space_gib must be"),
+        (["generate", "{model}", "--prompt", "x", "--cpu-kvcache-space-gib", "inf"], "cpu_kvcache_space_gib must be"),
+        (["generate", "{model}", "--prompt", "x", "--cpu-kvcache-space-gib", "nan"], "cpu_kvcache_space_gib must be"),
         (["generate", "{model}", "--prompt", "x", "--dtype", "half-ish"], "invalid choice: 'half-ish'"),
         (["generate", "{model}", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
         (["launch", "{model}"], "invalid choice: 'launch'"),
@@ -124,6 +150,27 @@ def test_bad_input_is_one_line_and_exit_2(tiny_llama, capsys, args, message):
     *before, last = err.strip().splitlines()  # before: progress bars of weight loading, if it got that far
     assert last.startswith("atom-run") and ": error: " in last and message in last
     assert "Traceback" not in err and not any("error" in line for line in before)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "--prompt", "x", "--max-num-seqs", "0"], "max_num_seqs and max_num_batched_tokens must be"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+        (["serve", "--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1]"),
+    ],
+)
+def test_bad_flags_fail_before_the_demo_model_exports(monkeypatch, capsys, args, message):
+    import atom_runtime.default_model
+
+    def export(*args, **kwargs):
+        raise AssertionError("the demo model was exported before the flags were checked")
+
+    monkeypatch.setattr(atom_runtime.default_model, "default_artifact", export)
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("atom-run: error: ") and message in err
 
 
 def test_an_artifact_for_another_machine_is_one_line(tiny_llama, tmp_path, capsys):
@@ -244,6 +291,7 @@ def test_engine_flags_cover_engine_config(tiny_llama):
     )
     defaults = create_engine_kwargs(build_parser().parse_args(["serve", str(tiny_llama)]))["config"]
     assert defaults == EngineConfig()
+    assert EngineConfig(seed=None) == EngineConfig()  # vLLM's LLM(..., seed=None)
     assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(args))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -300,7 +301,7 @@ def test_dummy_weights_rebuild_from_their_config(tiny_llama, tmp_path):
     assert rebuilt.manifest["torch_version"] == torch.__version__
 
 
-def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
+def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys, monkeypatch):
     assert (
         compile_cli(
             [
@@ -334,6 +335,12 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
     assert compile_cli(["show", str(tmp_path / "a")]) == 0
     shown = capsys.readouterr().out
     assert "atom.unified_attention×1" in shown and "passes:" in shown and "def forward" in shown
+    if importlib.util.find_spec("pydot") is None:  # graphviz's `dot` alone is not enough for --svg: one line too
+        monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+        assert compile_cli(["show", str(tmp_path / "a"), "--svg", str(tmp_path / "piece.svg")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("atom-compile: error: --svg needs pydot and graphviz") and err.count("\n") == 1, err
+        monkeypatch.undo()
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
@@ -349,6 +356,10 @@ def test_cli_export_show_and_errors(tiny_llama, tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("atom-compile: error: ") and message in err, err
     assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "b"), "--passes", "+nope"]) == 2
     assert "unknown pass 'nope'" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert compile_cli(["export", str(tiny_llama), "-o", str(tmp_path / "file" / "b"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err  # an OSError other than FileNotFoundError: one line too, not a traceback
+    assert err.count("\n") == 1 and err.startswith("atom-compile: error: ") and "File exists" in err, err
 
 
 def test_export_and_trace_stay_functions_after_their_submodules_load():
