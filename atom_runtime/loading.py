@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from atom_compile import is_artifact, load_artifact
+from atom_compile.artifact import read_manifest
 from atom_compile.options import DEFAULT_BLOCK_SIZE
 from atom_models import load_config, resolve_device, resolve_dtype, resolve_max_model_len
 from atom_models.loader import build_model, fill_dummy_weights, load_weights
@@ -56,17 +57,26 @@ def load_hf_model(
 
 
 def _refuse_overrides(path, **given) -> None:
-    defaults = {
-        "dtype": "auto",
-        "device": "auto",
-        "quantization": None,
-        "quantization_exclude": (),
-        "load_dummy": False,
+    """Export settings given again to serve an artifact: what it was exported with passes (a vLLM user's habit of
+    --dtype bfloat16), anything else is refused, as only a re-export changes it."""
+    manifest = read_manifest(Path(path))
+    options = manifest.get("export_options", {})
+    exported = {
+        "dtype": manifest.get("dtype"),
+        "device": str(manifest.get("device")).split(":")[0],
+        "quantization": options.get("quantization"),
+        "quantization_exclude": tuple(options.get("quantization_exclude", ())),
+        "load_dummy": options.get("load_dummy", False),
     }
-    changed = [name for name, value in given.items() if value != defaults[name] and str(value) != defaults[name]]
+    unset = {"dtype": "auto", "device": "auto", "quantization": None, "quantization_exclude": (), "load_dummy": False}
+    changed = [
+        f"{name} {value!r} (exported with {exported[name]!r})"
+        for name, value in given.items()
+        if value != unset[name] and (str(value).split(":")[0] if name == "device" else value) != exported[name]
+    ]
     if changed:
         raise ValueError(
-            f"{path} is a compiled artifact: its {', '.join(changed)} were fixed at export; "
+            f"{path} is a compiled artifact, its export settings fixed: {', '.join(changed)}; "
             "re-export with atom-compile to change them"
         )
 

@@ -391,3 +391,17 @@ def test_stopped_server_leaves_no_engine_process(tiny_llama, sig, status):
         server.wait(timeout=30)
     assert server.returncode == status
     assert_exits(engine)
+
+
+def test_an_artifact_takes_the_export_settings_it_has(llama_artifact):
+    """A vLLM user's --dtype (or --device) out of habit: what the artifact was exported with passes, anything else is
+    refused naming both, as only a re-export changes it."""
+    from atom_runtime.loading import _refuse_overrides
+
+    manifest = json.loads((llama_artifact / "manifest.json").read_text())
+    _refuse_overrides(llama_artifact, dtype=manifest["dtype"], device="cpu", quantization=None, load_dummy=False)
+    other = "float16" if manifest["dtype"] != "float16" else "bfloat16"
+    with pytest.raises(ValueError, match=f"dtype '{other}' \\(exported with '{manifest['dtype']}'\\)"):
+        _refuse_overrides(llama_artifact, dtype=other)
+    with pytest.raises(ValueError, match="device 'cuda:0' \\(exported with 'cpu'\\)"):
+        _refuse_overrides(llama_artifact, device="cuda:0")
