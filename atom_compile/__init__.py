@@ -101,14 +101,7 @@ def trace(
 
 
 def export(model_dir, output, **options) -> dict:
-    """`atom-compile export` from Python; keyword arguments are `ExportOptions` fields.
-
-    The traced FX graphs are cyclic, so the model they hold (its weights on the export device) is garbage only the
-    collector frees: run before returning, or the caller's next allocations (a KV cache) find that memory taken."""
-    import gc
-
+    """`atom-compile export` from Python; keyword arguments are `ExportOptions` fields."""
     from atom_compile.export import export_model
 
-    manifest = export_model(model_dir, output, ExportOptions(**options))
-    gc.collect()
-    return manifest
+    return export_model(model_dir, output, ExportOptions(**options))

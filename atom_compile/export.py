@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import sys
@@ -54,8 +55,17 @@ def trace_model_dir(model_dir: str | Path, options: ExportOptions) -> tuple[torc
 
 
 def export_model(model_dir: str | Path, output: str | Path, options: ExportOptions | None = None) -> dict:
-    """Trace, rewrite, split, compile and write the artifact; returns its manifest."""
-    options = options or ExportOptions()
+    """Trace, rewrite, split, compile and write the artifact; returns its manifest.
+
+    The traced FX graphs are cyclic, so the model they hold (its weights on the export device) is garbage only the
+    collector frees: run before returning, or the caller's next allocations (a KV cache, the artifact's own weights
+    after a --rebuild) find that memory taken."""
+    manifest = _export_model(model_dir, output, options or ExportOptions())
+    gc.collect()
+    return manifest
+
+
+def _export_model(model_dir: str | Path, output: str | Path, options: ExportOptions) -> dict:
     options.validate()
     model_dir, output = Path(model_dir).resolve(), Path(output)
     # Checked now, not after the minutes of compiling: an export replaces only an artifact, never other files.

@@ -63,7 +63,7 @@ def _refuse_overrides(path, **given) -> None:
     options = manifest.get("export_options", {})
     exported = {
         "dtype": manifest.get("dtype"),
-        "device": str(manifest.get("device")).split(":")[0],
+        "device": manifest.get("device"),
         "quantization": options.get("quantization"),
         "quantization_exclude": tuple(options.get("quantization_exclude", ())),
         "load_dummy": options.get("load_dummy", False),
@@ -72,13 +72,22 @@ def _refuse_overrides(path, **given) -> None:
     changed = [
         f"{name} {value!r} (exported with {exported[name]!r})"
         for name, value in given.items()
-        if value != unset[name] and (str(value).split(":")[0] if name == "device" else value) != exported[name]
+        if value != unset[name] and _one_spelling(name, value) != _one_spelling(name, exported[name])
     ]
     if changed:
         raise ValueError(
             f"{path} is a compiled artifact, its export settings fixed: {', '.join(changed)}; "
             "re-export with atom-compile to change them"
         )
+
+
+def _one_spelling(name: str, value):
+    """An export setting as one spelling of it: torch.bfloat16 as "bfloat16", "cuda" as "cuda:0"."""
+    if name == "dtype":
+        return str(value).removeprefix("torch.")
+    if name == "device":
+        return str(value) if ":" in str(value) else f"{value}:0"
+    return value
 
 
 def eos_token_ids(model_dir: str | Path, config: PretrainedConfig, tokenizer) -> set[int]:

@@ -400,8 +400,11 @@ def test_an_artifact_takes_the_export_settings_it_has(llama_artifact):
 
     manifest = json.loads((llama_artifact / "manifest.json").read_text())
     _refuse_overrides(llama_artifact, dtype=manifest["dtype"], device="cpu", quantization=None, load_dummy=False)
+    _refuse_overrides(llama_artifact, dtype=getattr(torch, manifest["dtype"]), device="cpu:0")
     other = "float16" if manifest["dtype"] != "float16" else "bfloat16"
     with pytest.raises(ValueError, match=f"dtype '{other}' \\(exported with '{manifest['dtype']}'\\)"):
         _refuse_overrides(llama_artifact, dtype=other)
     with pytest.raises(ValueError, match="device 'cuda:0' \\(exported with 'cpu'\\)"):
         _refuse_overrides(llama_artifact, device="cuda:0")
+    with pytest.raises(ValueError, match="device 'cpu:1'"):  # another index is another device
+        _refuse_overrides(llama_artifact, device="cpu:1")
