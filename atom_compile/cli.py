@@ -17,6 +17,7 @@ from atom_compile.options import (
     QUANTIZATION_EXCLUDE_FLAG,
     WEIGHT_MODES,
     ExportOptions,
+    dtype_name,
 )
 
 
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("model_dir", type=Path, help="HF model directory (config.json, *.safetensors, tokenizer)")
     export.add_argument("-o", "--output", type=Path, required=True, help="artifact directory to write")
     export.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    export.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES])
+    export.add_argument("--dtype", default="auto", type=dtype_name, choices=["auto", *DTYPE_NAMES])
     export.add_argument(
         "--passes", default=None, help="pass names, or +name,-name edits of the default list (write --passes=-name)"
     )

@@ -7,6 +7,14 @@ from dataclasses import dataclass
 
 # `atom_models.loader.DTYPES`' names (a test keeps them equal), for the CLIs' --dtype.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings, which --dtype takes too
+
+
+def dtype_name(value: str) -> str:
+    """--dtype's value under its one name (argparse's `type`, so that `choices` then checks the name)."""
+    return DTYPE_ALIASES.get(value, value)
+
+
 LEVELS = (0, 3)  # 0: pieces run as eager FX code; 3: pieces compiled by Inductor (ATOM's levels)
 WEIGHT_MODES = ("reference", "copy", "dummy")
 # Tokens a KV-cache block holds unless told (vLLM's and ATOM's default). Our attention kernels compile for one block

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from atom_compile.options import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, QUANTIZATION_EXCLUDE_FLAG
+from atom_compile.options import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, QUANTIZATION_EXCLUDE_FLAG, dtype_name
 from atom_runtime.config import CUDAGRAPH_MODES, KV_CACHE_DTYPES, EngineConfig
 
 _DEFAULTS = EngineConfig()
@@ -33,8 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype",
         default="auto",
+        type=dtype_name,
         choices=["auto", *DTYPE_NAMES],
-        help="weights' and activations' dtype (auto: the model's)",
+        help="weights' and activations' dtype (auto: the model's; half and float as vLLM's spellings)",
     )
     group.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     group.add_argument("--load-dummy", action="store_true", help="random weights instead of the checkpoint's")

@@ -252,6 +252,14 @@ def test_flags_parse_without_torch():
     assert set(DTYPE_NAMES) == set(DTYPES)
 
 
+def test_dtype_takes_vllms_spellings():
+    from atom_compile import cli as compile_cli
+    from atom_runtime import cli as run_cli
+
+    assert run_cli.build_parser().parse_args(["serve", "--dtype", "half"]).dtype == "float16"
+    assert compile_cli.build_parser().parse_args(["export", "m", "-o", "a", "--dtype", "float"]).dtype == "float32"
+
+
 def test_engine_flags_cover_engine_config(tiny_llama):
     """Each EngineConfig field is a flag, and flags reach the config."""
     args = build_parser().parse_args(
