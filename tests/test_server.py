@@ -225,6 +225,12 @@ def test_stream_chunks_share_created_and_carry_usage(http, monkeypatch):
         assert len(chunks) >= 2 and len({chunk["created"] for chunk in chunks}) == 1, path
         prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
         assert all(chunk["usage"]["prompt_tokens"] == prompt_tokens for chunk in chunks), path
+        # return_token_ids: the prompt's ids once, on the first chunk (a completion's choice, a chat's chunk), as vLLM's
+        if path == COMPLETIONS:
+            ids = [c["choices"][0].get("prompt_token_ids") for c in chunks if c["choices"]]
+        else:
+            ids = [c.get("prompt_token_ids") for c in chunks]
+        assert len(ids[0]) == prompt_tokens and ids[1:] == [None] * (len(ids) - 1), path
 
 
 def test_chat_continues_the_final_message(http, engine):

@@ -570,6 +570,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(**_OMIT_NONE)
+    prompt_token_ids: list[int] | None = Field(**_OMIT_NONE)  # return_token_ids: on the first chunk, as vLLM's
 
 
 class ModelCard(BaseModel):

@@ -245,6 +245,7 @@ class OpenAIServing:
                 id=request_id, created=created, model=self.served_model_name, choices=list(choices), usage=usage
             )
 
+        announced: set[int] = set()  # choices whose prompt token ids went out (return_token_ids), with their first
         async for p, output in outputs:
             finals[p] = output
             for completion in output.outputs:
@@ -253,6 +254,9 @@ class OpenAIServing:
                     sent[index] = self._completion_sent(request, prompts[p], params)
                 choice = self._completion_choice(request, index, sent[index], completion, output)
                 if choice is not None:
+                    if request.return_token_ids and index not in announced:
+                        choice.prompt_token_ids = output.prompt_token_ids
+                        announced.add(index)
                     usage = _usage([f for f in finals if f is not None]) if request.continuous_usage else None
                     yield chunk(choice, usage=usage)
         if request.include_usage:
@@ -325,8 +329,8 @@ class OpenAIServing:
             raise
         function = request.named_tool().name if mode == "named" else None
         if request.stream:
-            prompt_tokens = len(self.engine.truncated(prompt.token_ids, params))
-            return _sse(self._chat_chunks(request, request_id, params, outputs, mode, function, prompt_tokens))
+            ran = self.engine.truncated(prompt.token_ids, params)
+            return _sse(self._chat_chunks(request, request_id, params, outputs, mode, function, ran))
         (final,) = await _unless_disconnected(raw, _final_outputs(outputs, 1))
         choices = []
         for completion in final.outputs:
@@ -369,10 +373,11 @@ class OpenAIServing:
         outputs: AsyncIterator[tuple[int, RequestOutput]],
         tool_mode: str,
         function: str | None,
-        prompt_tokens: int,
+        prompt_token_ids: list[int],
     ) -> AsyncIterator[BaseModel]:
-        """`tool_mode`, `function`: the request's use of tools (`_ToolStream`); `prompt_tokens`: the prompt's length
-        as the request runs it, for the usage of the chunks before the first output."""
+        """`tool_mode`, `function`: the request's use of tools (`_ToolStream`); `prompt_token_ids`: the prompt as the
+        request runs it, for the chunks before the first output (its length in their usage, itself in the first with
+        return_token_ids)."""
         created = int(time.time())  # every chunk has the same, as OpenAI's
 
         def chunk(*choices: ChatChunkChoice, usage: Usage | None = None) -> ChatCompletionChunk:
@@ -382,9 +387,13 @@ class OpenAIServing:
 
         # As OpenAI does: every choice opens with the role, before any text.
         # (with continuous usage stats every chunk has the usage so far, these too, as vLLM's)
+        prompt_tokens = len(prompt_token_ids)
         opening = Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens) if request.continuous_usage else None
         for index in range(params.n):
-            yield chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")), usage=opening)
+            role = chunk(ChatChunkChoice(index=index, delta=Delta(role="assistant", content="")), usage=opening)
+            if request.return_token_ids and index == 0:
+                role.prompt_token_ids = prompt_token_ids
+            yield role
         sent = [_Sent() for _ in range(params.n)]
         streams = [_ToolStream(tool_mode, function, self.tool_call_parser) for _ in range(params.n)]
         constrained = params.structured_outputs is not None
