@@ -142,7 +142,7 @@ class ModelRunner:
         """Blocks that fit in gpu_memory_utilization of the card after weights and a peak-sized step."""
         torch.cuda.synchronize()
         # Garbage the process left in reference cycles still holds device memory, which the budget would count as
-        # used: an export in the same process left a Llama-3-8B's linear weights (13 GiB) for the collector.
+        # used (before an export collected its own, it left a Llama-3-8B's 13 GiB of weights so).
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

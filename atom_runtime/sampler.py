@@ -1,4 +1,4 @@
-"""Batched sampling on the logits' device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Batched sampling on the logits' device: logit masks, penalties, temperature, min-p, top-k/top-p, seeds, logprobs.
 
 Tokens are drawn by `atom_models.ops.sampling.sample_rows` (an exponential race over counter-based noise keyed by
 each sequence's seed and position): a seeded request's output does not depend on what else is in the batch, nor
